@@ -1,0 +1,22 @@
+# `make demo` and `make test` are the two commands the README opens with.
+PYTHON ?= python3
+VENV ?= .venv
+# The torch build this project is tested with; override for another CUDA/CPU build.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q $(TORCH_SPEC)
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/captioner demo
+
+test: venv
+	$(VENV)/bin/python -m pytest -q
+
+.PHONY: venv demo test

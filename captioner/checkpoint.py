@@ -1,0 +1,130 @@
+"""Checkpoints: one file with everything needed to rebuild and use (or resume) a model.
+
+Layout of the file (a dict, loadable with `torch.load(..., weights_only=True)`):
+    format: "captioner", version: 1
+    model_config: nested dict of ModelConfig
+    vocab: list[str], the vocabulary in id order
+    model: the CaptionModel state dict
+    train_state: None, or what resuming needs (optimizer, scheduler, scaler, step, epoch, RNG
+                 states, the full run config as a dict); only tensors and plain Python values
+    meta: small dict of facts for people (metrics, data path, ...)
+
+Writing goes to a temporary file in the same folder, fsynced, then renamed over the target, so
+a reader (or a crash) never sees half a checkpoint. Loading is here and nowhere else.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from captioner.config import ConfigError, ModelConfig, from_dict, to_dict
+from captioner.errors import CaptionerError
+from captioner.model import CaptionModel, build_model
+from captioner.vocab import Vocabulary
+
+log = logging.getLogger(__name__)
+
+FORMAT = "captioner"
+VERSION = 1
+
+
+class CheckpointError(CaptionerError):
+    """A file that is not a captioner checkpoint, or one that does not fit this code."""
+
+
+@dataclass
+class Checkpoint:
+    model_config: ModelConfig
+    vocab: Vocabulary
+    model_state: dict[str, torch.Tensor]
+    train_state: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def save_checkpoint(
+    path: str | Path,
+    model_config: ModelConfig,
+    vocab: Vocabulary,
+    model_state: dict[str, torch.Tensor],
+    train_state: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint atomically (temp file + fsync + rename). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_config": to_dict(model_config),
+        "vocab": vocab.to_list(),
+        "model": {k: v.detach().cpu() for k, v in model_state.items()},
+        "train_state": train_state,
+        "meta": meta or {},
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and validate a checkpoint (tensors on the CPU). Raises CheckpointError with one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason[:200]})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a captioner checkpoint (no 'format: {FORMAT}' marker)")
+    if payload.get("version") != VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}, this code reads {VERSION}")
+    missing = [k for k in ("model_config", "vocab", "model") if k not in payload]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing)}")
+    try:
+        model_config = from_dict(ModelConfig, payload["model_config"], "model")
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: model config does not fit this code: {e}") from None
+    return Checkpoint(
+        model_config=model_config,
+        vocab=Vocabulary.from_list(payload["vocab"]),
+        model_state=payload["model"],
+        train_state=payload.get("train_state"),
+        meta=payload.get("meta") or {},
+    )
+
+
+def restore_model(ckpt: Checkpoint, path: str | Path = "checkpoint") -> CaptionModel:
+    """Rebuild the model from a checkpoint's config and load its weights strictly (on the CPU)."""
+    model = build_model(ckpt.model_config, len(ckpt.vocab), pretrained=False)
+    try:
+        model.load_state_dict(ckpt.model_state, strict=True)
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{path}: weights do not fit the model its config describes ({first})") from None
+    return model
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[CaptionModel, Checkpoint]:
+    """Load a checkpoint and return the model in eval mode on `device`, with the checkpoint."""
+    ckpt = load_checkpoint(path)
+    model = restore_model(ckpt, path).to(device).eval()
+    return model, ckpt

@@ -1,0 +1,204 @@
+"""Configuration: small frozen dataclasses, parsed from YAML files and `section.key=value` overrides.
+
+Everything that reads a file or the command line into configuration lives here. Functions elsewhere
+take the sub-config (or plain arguments) they need, never the whole `Config`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from captioner.errors import CaptionerError
+
+
+class ConfigError(CaptionerError):
+    """A configuration file or override that does not fit the dataclasses (one-line message)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = "shapes"  # a folder or caption file (layout detected), or "shapes" for the built-in set
+    val_fraction: float = 0.1  # used only when the source has no split of its own
+    test_fraction: float = 0.0
+    split_seed: int = 0
+    min_word_count: int = 1  # rarer words become <unk>
+    max_length: int = 20  # words per caption, without <start>/<end>; longer captions are cut
+    cache_dir: str = ""  # feature cache folder; "" = <out>/cache
+    use_cache: bool = True  # with a frozen encoder, compute each image's grid once
+    augment: bool = False  # train-time augmentation (only without the cache)
+    num_workers: int = 0
+    shapes_images: int = 1000  # size of the built-in shapes set
+    shapes_seed: int = 0
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    name: str = "efficientnet_lite0"
+    image_size: int = 256  # square input side, pixels
+    weights: str = ""  # local state dict; "" = the backbone's own pretrained weights
+    trainable_stages: int = 0  # fine-tune the last N stages (0 = frozen, eval mode)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    embed_dim: int = 256
+    hidden_dim: int = 512
+    attention_dim: int = 256
+    dropout: float = 0.5
+    gate: bool = True  # Show-Attend-Tell's beta = sigmoid(Linear(h)) on the context
+    init_pooling: str = "mean"  # "mean" | "attention": how the grid becomes the initial hidden state
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 64
+    optimizer: str = "adamw"  # "adam" | "adamw"
+    lr: float = 4e-4
+    encoder_lr: float = 1e-4  # for the fine-tuned encoder stages
+    weight_decay: float = 0.0
+    grad_clip: float = 5.0
+    schedule: str = "cosine"  # "cosine" | "constant"
+    warmup_steps: int = 0
+    alpha_reg: float = 1.0  # doubly stochastic attention regulariser weight
+    label_smoothing: float = 0.0
+    scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
+    amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"
+    seed: int = 0
+    val_every_steps: int = 0  # 0 = validate once per epoch
+    val_images: int = 0  # 0 = all validation images
+    val_metric: str = "CIDEr"
+    patience: int = 5  # epochs (validations) without improvement before stopping
+    log_every: int = 10
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam_size: int = 5
+    max_length: int = 20
+    length_penalty: float = 1.0  # score / length**alpha
+    no_repeat_ngram: int = 0  # 0 = off
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A dataclass config as plain nested dicts (YAML/JSON/checkpoint friendly)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from nested dicts, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}' (known: {', '.join(sorted(names))})")
+        kwargs[key] = _coerce(hints[key], value, path)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value if value is not None else {}, path)
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(arg, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"config key '{path}': {value!r} is not a {tp}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if value is None:
+            return ""
+    else:  # pragma: no cover - only the types above are used in the dataclasses
+        raise ConfigError(f"config key '{path}': unsupported type {tp}")
+    name = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"config key '{path}': expected {name}, got {value!r} ({type(value).__name__})")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings (value parsed as YAML) to nested dicts; returns a new dict."""
+    data = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{k}' is not a section")
+        try:
+            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': cannot parse value ({e.__class__.__name__})") from None
+    return data
+
+
+def _deep_copy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or the defaults when `path` is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        data = loaded or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    try:
+        return from_dict(Config, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None

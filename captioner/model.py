@@ -1,0 +1,35 @@
+"""The captioning model: an encoder (image -> grid) and an attention decoder (grid -> words).
+
+Shapes: B batch, L = H'·W' regions, D feature width, T tokens, V vocabulary.
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from captioner.config import ModelConfig
+from captioner.decoder import AttentionDecoder, DecoderOutput
+from captioner.encoder import Encoder, build_encoder
+
+
+class CaptionModel(nn.Module):
+    """Encoder + decoder. Training from the feature cache uses `decoder` alone."""
+
+    def __init__(self, encoder: Encoder, decoder: AttentionDecoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+
+    def encode(self, images: Tensor) -> Tensor:
+        """(B, 3, S, S) normalised images -> (B, L, D) features."""
+        return self.encoder(images)
+
+    def forward(self, images: Tensor, tokens: Tensor, sampling_prob: float = 0.0) -> DecoderOutput:
+        """Teacher-forced pass from pixels: logits (B, T, V), alphas (B, T, L)."""
+        return self.decoder(self.encode(images), tokens, sampling_prob=sampling_prob)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, pretrained: bool = True) -> CaptionModel:
+    """Build encoder and decoder; `pretrained=False` skips loading encoder weights (a checkpoint follows)."""
+    encoder = build_encoder(cfg.encoder, pretrained=pretrained)
+    decoder = AttentionDecoder(vocab_size, encoder.out_dim, cfg.decoder)
+    return CaptionModel(encoder, decoder)

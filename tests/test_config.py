@@ -1,0 +1,41 @@
+import pytest
+
+from captioner.config import Config, ConfigError, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.001\nmodel:\n  encoder:\n    name: random\n")
+    cfg = load_config(path, ["train.epochs=3", "model.decoder.gate=false", "train.lr=2e-4"])
+    assert isinstance(cfg, Config)
+    assert cfg.train.epochs == 3 and cfg.train.lr == 2e-4
+    assert cfg.model.encoder.name == "random" and cfg.model.decoder.gate is False
+    assert cfg.decode.beam_size == 5  # untouched default
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.lrr=1", ["train.lrr", "unknown"]),
+        ("train.epochs=abc", ["train.epochs", "int"]),
+        ("model.decoder.gate=3", ["model.decoder.gate", "bool"]),
+        ("nosection.x=1", ["nosection", "unknown"]),
+        ("train.epochs", ["section.key=value"]),
+    ],
+)
+def test_bad_keys_and_types_give_one_line_errors(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_bad_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  epochs: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="missing.yaml: config file not found"):
+        load_config(tmp_path / "missing.yaml")
