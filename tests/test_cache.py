@@ -1,0 +1,166 @@
+"""Feature cache: computed once, reused while valid, rebuilt when the encoder or an image changes,
+broken and missing images skipped and counted."""
+import io
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.cache import FEATURES, INDEX, FeatureCache, build_cache
+from captioner.config import EncoderConfig
+from captioner.encoder import build_encoder
+from captioner.images import load_image
+from captioner.sources import Record
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return build_encoder(EncoderConfig(name="random", image_size=64))
+
+
+class Counting:
+    """Counts images passed through an encoder's forward."""
+
+    def __init__(self, enc, monkeypatch):
+        self.n = 0
+        forward = enc.forward
+
+        def counted(images):
+            self.n += images.shape[0]
+            return forward(images)
+        monkeypatch.setattr(enc, "forward", counted)
+
+
+def _good(folder: Path, n: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = folder / f"img{i}.png"
+        Image.new("RGB", (40 + 7 * i, 30), (30 * i % 255, 80, 160)).save(p)
+        paths.append(p)
+    return paths
+
+
+def _broken(folder: Path) -> dict[Path, str]:
+    buf = io.BytesIO()
+    Image.effect_noise((64, 64), 60).convert("RGB").save(buf, format="JPEG", quality=95)
+    (folder / "truncated.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    (folder / "text.jpg").write_text("hello, I am not a JPEG")
+    (folder / "empty.jpg").write_bytes(b"")
+    return {folder / "truncated.jpg": "truncated", folder / "text.jpg": "not an image",
+            folder / "empty.jpg": "empty", folder / "missing.jpg": "not found"}
+
+
+def test_build_skips_broken_and_missing_images_and_stores_the_grid(tmp_path, encoder, monkeypatch):
+    good = _good(tmp_path / "img", 5)
+    broken = _broken(tmp_path / "img")
+    counter = Counting(encoder, monkeypatch)
+    records = [Record(p, ("a caption",), "train") for p in good + list(broken)]
+    result = build_cache(records + records[:2], encoder, tmp_path / "cache", batch_size=2, progress=False)
+    assert (result.built, result.reused) == (5, 0) and counter.n == 5
+    assert {p: r for p, r in result.skipped}.keys() == broken.keys()
+    for path, reason in result.skipped:
+        assert broken[path] in reason
+    cache = result.cache
+    assert cache.grid == encoder.grid and cache.dim == encoder.out_dim and len(cache) == 5
+    feats = cache.get(good[3])
+    assert feats.shape == (16, encoder.out_dim) and feats.dtype == np.float16
+    with torch.inference_mode():
+        expected = encoder(encoder.transform()(load_image(good[3]))[None])[0].numpy()
+    np.testing.assert_allclose(feats.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
+    assert good[0] in cache and tmp_path / "img" / "text.jpg" not in cache
+    assert (cache.folder / FEATURES).stat().st_size == cache.nbytes == 5 * 16 * encoder.out_dim * 2
+
+
+def test_valid_cache_is_reused_without_recompute(tmp_path, encoder, monkeypatch):
+    good = _good(tmp_path / "img", 4)
+    build_cache(good, encoder, tmp_path / "cache", progress=False)
+    counter = Counting(encoder, monkeypatch)
+    result = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert (result.built, result.reused, counter.n) == (0, 4, 0)
+    again = FeatureCache.open(result.cache.folder, encoder.cache_key())
+    np.testing.assert_array_equal(again.get(good[1]), result.cache.get(good[1]))
+
+
+def test_changed_image_is_recomputed_and_stale_rows_never_served(tmp_path, encoder, monkeypatch):
+    good = _good(tmp_path / "img", 4)
+    first = build_cache(good, encoder, tmp_path / "cache", progress=False).cache
+    before = first.get(good[2]).copy()
+    Image.new("RGB", (50, 50), (255, 255, 0)).save(good[2])  # new content
+    st = good[2].stat()
+    os.utime(good[2], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert good[2] not in first  # the old cache refuses to serve the stale row
+    counter = Counting(encoder, monkeypatch)
+    result = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert (result.built, result.reused, counter.n) == (1, 3, 1)
+    assert not np.array_equal(result.cache.get(good[2]), before)
+    np.testing.assert_array_equal(result.cache.get(good[0]), first.get(good[0]))
+    os.utime(good[1])  # touched only: identity changed, recomputed too
+    assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 1
+
+
+def test_one_file_under_two_spellings_is_encoded_once(tmp_path, encoder):
+    good = _good(tmp_path / "img", 2)
+    alias = tmp_path / "img" / ".." / "img" / good[0].name
+    result = build_cache([good[0], alias, good[1]], encoder, tmp_path / "cache", progress=False)
+    assert result.built == 2 and len(result.cache) == 2 and alias in result.cache
+
+
+def test_new_encoder_key_gets_its_own_cache(tmp_path, encoder):
+    good = _good(tmp_path / "img", 3)
+    a = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    other = build_encoder(EncoderConfig(name="random", image_size=96))
+    b = build_cache(good, other, tmp_path / "cache", progress=False)
+    assert (b.built, b.reused) == (3, 0) and a.cache.folder != b.cache.folder
+    assert b.cache.grid == (6, 6)
+
+
+def test_added_images_are_appended_and_other_rows_kept(tmp_path, encoder):
+    good = _good(tmp_path / "img", 5)
+    build_cache(good[:3], encoder, tmp_path / "cache", progress=False)
+    result = build_cache(good[3:], encoder, tmp_path / "cache", progress=False)
+    assert (result.built, result.reused) == (2, 0) and len(result.cache) == 5
+    assert all(p in result.cache for p in good)
+
+
+def test_killed_or_corrupt_cache_is_ignored_and_rebuilt(tmp_path, encoder):
+    good = _good(tmp_path / "img", 3)
+    folder = build_cache(good, encoder, tmp_path / "cache", progress=False).cache.folder
+    (folder / INDEX).unlink()  # as if killed between publishing the features and the index
+    assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 3
+    with open(folder / FEATURES, "r+b") as f:
+        f.truncate(100)  # features do not match the index
+    assert FeatureCache.open(folder) is None
+    assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 3
+    (folder / INDEX).write_text("{broken")
+    assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 3
+    assert not list(folder.glob("*.tmp"))
+
+
+def test_encoder_state_is_restored_and_cache_pickles_small(tmp_path, encoder):
+    encoder.train()
+    result = build_cache(_good(tmp_path / "img", 2), encoder, tmp_path / "cache", progress=False)
+    assert encoder.training
+    cache = result.cache
+    _ = cache.features
+    blob = pickle.dumps(cache)
+    assert len(blob) < 4000
+    assert pickle.loads(blob).get(tmp_path / "img" / "img0.png").shape == (16, encoder.out_dim)
+
+
+def test_all_images_broken_gives_an_empty_cache(tmp_path, encoder):
+    (tmp_path / "img").mkdir()
+    broken = _broken(tmp_path / "img")
+    result = build_cache(list(broken), encoder, tmp_path / "cache", progress=False)
+    assert result.built == 0 and len(result.skipped) == 4 and len(result.cache) == 0
+    assert result.cache.features.shape == (0, 16, encoder.out_dim)
+
+
+def test_trainable_encoder_is_refused(tmp_path):
+    enc = build_encoder(EncoderConfig(name="random", image_size=64, trainable_stages=1))
+    with pytest.raises(ValueError, match="frozen"):
+        build_cache([], enc, tmp_path, progress=False)

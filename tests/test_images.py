@@ -1,0 +1,75 @@
+"""load_image: every mode becomes RGB, EXIF is applied, broken files give a one-line ImageError."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from captioner.images import ImageError, load_image
+
+
+def _save(im: Image.Image, path, **kw):
+    im.save(path, **kw)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "RGBA", "LA", "CMYK", "1", "I;16", "I", "F"])
+def test_modes_become_rgb_of_the_same_size(tmp_path, mode):
+    rgb = Image.new("RGB", (20, 12), (200, 30, 30))
+    if mode in ("I;16", "I", "F"):
+        im = Image.fromarray(np.full((12, 20), 40000 if mode != "F" else 0.5, dtype={"I;16": np.uint16,
+                                                                                  "I": np.int32, "F": np.float32}[mode]))
+        if mode == "I;16":
+            im = im.convert("I;16") if im.mode != "I;16" else im
+        path = _save(im, tmp_path / "x.tif")
+    else:
+        path = _save(rgb.convert(mode), tmp_path / ("x.jpg" if mode == "CMYK" else "x.png"))
+    out = load_image(path)
+    assert out.mode == "RGB" and out.size == (20, 12)
+
+
+def test_sixteen_bit_is_rescaled_not_clipped(tmp_path):
+    arr = np.array([[0, 32768, 65535]], dtype=np.uint16)
+    path = _save(Image.fromarray(arr), tmp_path / "x16.png")
+    assert Image.open(path).mode.startswith("I")
+    px = np.asarray(load_image(path))[0, :, 0]
+    assert px[0] == 0 and 120 <= px[1] <= 135 and px[2] == 255
+
+
+def test_transparent_pixels_are_composited_on_white(tmp_path):
+    im = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
+    im.putpixel((0, 0), (255, 0, 0, 255))
+    out = load_image(_save(im, tmp_path / "a.png"))
+    assert out.getpixel((1, 1)) == (255, 255, 255) and out.getpixel((0, 0)) == (255, 0, 0)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    im = Image.new("RGB", (30, 10), (0, 0, 255))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    out = load_image(_save(im, tmp_path / "r.jpg", exif=exif))
+    assert out.size == (10, 30)
+
+
+def test_missing_empty_text_and_truncated_files_raise_one_line_errors(tmp_path):
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    text = tmp_path / "text.jpg"
+    text.write_text("not an image at all")
+    buf = io.BytesIO()
+    Image.effect_noise((64, 64), 50).convert("RGB").save(buf, format="JPEG", quality=95)
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    cases = {tmp_path / "missing.jpg": "not found", empty: "empty", text: "not an image", truncated: "truncated"}
+    for path, reason in cases.items():
+        with pytest.raises(ImageError) as e:
+            load_image(path)
+        message = str(e.value)
+        assert message.startswith(str(path)) and reason in message and "\n" not in message
+
+
+def test_decompression_bomb_guard_stays_on(tmp_path, monkeypatch):
+    path = _save(Image.new("L", (100, 100)), tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 10,000 px > 2x the limit -> refused
+    with pytest.raises(ImageError, match="decompression bomb"):
+        load_image(path)

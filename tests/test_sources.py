@@ -1,0 +1,158 @@
+"""Caption sources: every layout, layout detection, the split by image, and one-line errors."""
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from captioner.sources import Record, SourceError, assign_splits, load_records, read_karpathy, split_records
+
+REAL = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"
+
+
+def _images(folder: Path, names) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        Image.new("RGB", (8, 8)).save(folder / n)
+
+
+def test_coco_folder_reads_every_captions_file_with_its_split(tmp_path):
+    (tmp_path / "annotations").mkdir()
+    for split, ids in (("train", [1, 2]), ("val", [3])):
+        images = [{"id": i, "file_name": f"COCO_{split}2014_{i:012d}.jpg"} for i in ids]
+        anns = [{"id": 10 * i + k, "image_id": i, "caption": f"caption {k} of {i}"} for i in ids for k in range(2)]
+        (tmp_path / "annotations" / f"captions_{split}2014.json").write_text(
+            json.dumps({"images": images, "annotations": anns}))
+        _images(tmp_path / f"{split}2014", [im["file_name"] for im in images])
+    records = load_records(tmp_path)
+    assert [r.split for r in records] == ["train", "train", "val"]
+    assert records[0].image == tmp_path / "train2014" / "COCO_train2014_000000000001.jpg"
+    assert records[0].captions == ("caption 0 of 1", "caption 1 of 1")
+    assert all(r.image.is_file() for r in records)
+    assert len(load_records(tmp_path / "annotations" / "captions_val2014.json")) == 1
+
+
+def test_karpathy_json_maps_restval_to_train_and_joins_filepath(tmp_path):
+    data = {"images": [
+        {"filepath": "val2014", "filename": "a.jpg", "split": "restval", "sentences": [{"raw": "A cat."}]},
+        {"filepath": "val2014", "filename": "b.jpg", "split": "val", "sentences": [{"raw": "A dog."}]},
+        {"filepath": "val2014", "filename": "c.jpg", "split": "test", "sentences": [{"tokens": ["a", "cow"]}]},
+    ]}
+    (tmp_path / "dataset_coco.json").write_text(json.dumps(data))
+    _images(tmp_path / "val2014", ["a.jpg", "b.jpg", "c.jpg"])
+    records = load_records(tmp_path)
+    assert [r.split for r in records] == ["train", "val", "test"]
+    assert records[0].image == tmp_path / "val2014" / "a.jpg"
+    assert records[2].captions == ("a cow",)
+
+
+def test_flickr_csv_with_quoted_commas_and_seeded_split_by_image(tmp_path):
+    rows = ["image,caption"]
+    for i in range(10):
+        rows += [f'{i}.jpg,"A dog, running {k}."' for k in range(5)]
+    (tmp_path / "captions.txt").write_text("\n".join(rows) + "\n")
+    _images(tmp_path / "Images", [f"{i}.jpg" for i in range(10)])
+    records = load_records(tmp_path, val_fraction=0.2, test_fraction=0.1, split_seed=3)
+    assert len(records) == 10 and all(len(r.captions) == 5 for r in records)
+    assert records[0].captions[0] == "A dog, running 0."
+    assert records[0].image == tmp_path / "Images" / "0.jpg"
+    assert [len(v) for v in split_records(records).values()] == [7, 2, 1]
+    again = load_records(tmp_path / "captions.txt", val_fraction=0.2, test_fraction=0.1, split_seed=3)
+    assert again == records  # same seed, same split; the file or its folder, same result
+    other = load_records(tmp_path, val_fraction=0.2, test_fraction=0.1, split_seed=4)
+    assert [r.split for r in other] != [r.split for r in records]
+
+
+def test_flickr_token_with_split_lists(tmp_path):
+    text = tmp_path / "Flickr8k_text"
+    text.mkdir()
+    lines = [f"{i}.jpg#{k}\tA caption {k} for {i} ." for i in range(4) for k in range(5)]
+    (text / "Flickr8k.token.txt").write_text("\n".join(lines) + "\n")
+    (text / "Flickr_8k.trainImages.txt").write_text("0.jpg\n1.jpg\n")
+    (text / "Flickr_8k.devImages.txt").write_text("2.jpg\n")
+    (text / "Flickr_8k.testImages.txt").write_text("3.jpg\n")
+    _images(tmp_path / "Flicker8k_Dataset", [f"{i}.jpg" for i in range(4)])
+    records = load_records(tmp_path)
+    assert [r.split for r in records] == ["train", "train", "val", "test"]
+    assert records[2].image == tmp_path / "Flicker8k_Dataset" / "2.jpg"
+    assert len(records[0].captions) == 5
+
+
+def test_flickr_token_without_lists_is_split_here(tmp_path):
+    lines = [f"{i}.jpg#{k}\tcaption {k}" for i in range(20) for k in range(2)]
+    (tmp_path / "Flickr8k.token.txt").write_text("\n".join(lines))
+    records = load_records(tmp_path / "Flickr8k.token.txt", val_fraction=0.25)
+    assert sum(r.split == "val" for r in records) == 5 and len(records) == 20
+
+
+def test_split_is_by_image_and_independent_of_input_order():
+    records = [Record(Path(f"{i}.jpg"), ("a", "b"), "train") for i in range(50)]
+    a = assign_splits(records, 0.1, 0.1, seed=0)
+    b = assign_splits(records[::-1], 0.1, 0.1, seed=0)
+    assert {r.image: r.split for r in a} == {r.image: r.split for r in b}
+    assert sum(r.split == "val" for r in a) == 5 and sum(r.split == "test" for r in a) == 5
+    with pytest.raises(SourceError, match="too few"):
+        assign_splits(records[:2], 0.5, 0.4)
+
+
+def test_bad_csv_names_file_and_line(tmp_path):
+    path = tmp_path / "captions.txt"
+    path.write_text("image,caption\na.jpg,A dog.\nb.jpg,A cat, unquoted, commas\n")
+    with pytest.raises(SourceError, match=r"captions.txt:3: expected 2 fields"):
+        load_records(path)
+    path.write_text("name,text\na.jpg,A dog.\n")
+    with pytest.raises(SourceError, match=r"captions.txt:1: expected the header"):
+        load_records(tmp_path)
+
+
+def test_bad_token_file_and_json_name_file_line_or_key(tmp_path):
+    token = tmp_path / "Flickr8k.token.txt"
+    token.write_text("a.jpg#0\tA dog.\nb.jpg#0 no tab here\n")
+    with pytest.raises(SourceError, match=r"Flickr8k.token.txt:2: expected"):
+        load_records(token)
+    broken = tmp_path / "dataset_x.json"
+    broken.write_text('{"images": [\n  {"filename": "a.jpg",\n }')
+    with pytest.raises(SourceError, match=r"dataset_x.json:\d+: invalid JSON"):
+        load_records(broken)
+    broken.write_text(json.dumps({"images": [
+        {"filename": "a.jpg", "split": "train", "sentences": [{"raw": "x"}]}, {"filename": "b.jpg", "sentences": []}]}))
+    with pytest.raises(SourceError, match=r"dataset_x.json: key 'images\[1\].split': missing"):
+        read_karpathy(broken)
+    coco = tmp_path / "captions_train2017.json"
+    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg"}],
+                                "annotations": [{"id": 1, "image_id": 2, "caption": "x"}]}))
+    with pytest.raises(SourceError, match=r"key 'annotations\[0\].image_id': no image with id 2"):
+        load_records(coco)
+
+
+def test_unknown_layout_missing_path_and_empty_set(tmp_path):
+    (tmp_path / "notes.md").write_text("hello\n")
+    with pytest.raises(SourceError, match="accepted"):
+        load_records(tmp_path)
+    with pytest.raises(SourceError, match="unknown caption file layout"):
+        load_records(tmp_path / "notes.md")
+    with pytest.raises(SourceError, match="no such file"):
+        load_records(tmp_path / "nope")
+    (tmp_path / "captions.txt").write_text("image,caption\n")
+    with pytest.raises(SourceError, match="no images with captions"):
+        load_records(tmp_path)
+
+
+def test_shapes_source_is_generated_under_the_given_root(tmp_path):
+    records = load_records("shapes", shapes_images=20, shapes_seed=1, shapes_root=tmp_path / "s")
+    assert len(records) == 20 and all(r.image.is_file() and r.boxes for r in records)
+    assert {r.split for r in records} == {"train", "val", "test"}
+
+
+def test_shapes_default_root_follows_captioner_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path))
+    records = load_records("shapes", shapes_images=10, shapes_seed=2)
+    assert records[0].image.parent.parent == tmp_path / "shapes-2-10"
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="shared flickr8k-800 data not present")
+def test_real_flickr8k_800_loads():
+    records = load_records(REAL)
+    assert len(records) == 800 and sum(len(r.captions) for r in records) == 4000
+    assert all(r.image.is_file() for r in records[:50])
+    assert {r.split for r in records} == {"train", "val"}
