@@ -1,0 +1,135 @@
+import numpy as np
+import pytest
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.rouge.rouge import Rouge
+
+from captioner import metrics
+from captioner.metrics import GroundingSample, caption_metrics, grounding_score, word_objects
+from captioner.sources import Box
+from captioner.vocab import tokenize
+
+REFS = {
+    "dog.jpg": ["A dog runs on the grass.", "a brown dog running", "The dog is playing outside, happily!"],
+    7: ["Two men ride bikes down a hill.", "Men on bicycles."],
+    "shapes-1": ["a red circle", "there is a red circle", "one red circle"],
+}
+HYPS = {"dog.jpg": "A dog is running on the grass.", 7: "two men riding bicycles down a hill", "shapes-1": "a red square"}
+needs_java = pytest.mark.skipif(not metrics.java_available(), reason="java not on PATH")
+
+
+def _reference_scores(gts, res):
+    """pycocoevalcap called the way its own COCOEvalCap calls it."""
+    bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+    return {**{f"Bleu_{i + 1}": b for i, b in enumerate(bleu)},
+            "ROUGE_L": Rouge().compute_score(gts, res)[0], "CIDEr": Cider().compute_score(gts, res)[0]}
+
+
+@needs_java
+def test_scores_equal_pycocoevalcap_with_its_tokenizer():
+    gts, res = _ptb(REFS, HYPS)
+    expected = _reference_scores(gts, res)
+    got = caption_metrics(REFS, HYPS, meteor=False)
+    assert list(got) == ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "ROUGE_L", "CIDEr"]
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+    assert 0 < got["Bleu_4"] < got["Bleu_1"] <= 1 and got["CIDEr"] > 0
+
+
+def test_without_java_our_tokenizer_is_used_and_meteor_skipped(monkeypatch, caplog):
+    monkeypatch.setattr(metrics, "java_available", lambda: False)
+    gts = {k: [" ".join(tokenize(c)) for c in v] for k, v in REFS.items()}
+    res = {k: [" ".join(tokenize(HYPS[k]))] for k in REFS}
+    got = caption_metrics(REFS, HYPS)
+    assert "METEOR" not in got and "METEOR skipped" in caplog.text
+    for name, value in _reference_scores(gts, res).items():
+        assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+
+
+def _ptb(refs, hyps):
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    tok = PTBTokenizer()
+    gts = tok.tokenize({k: [{"caption": c} for c in v] for k, v in refs.items()})
+    res = tok.tokenize({k: [{"caption": hyps[k]}] for k in refs})
+    return gts, res
+
+
+@needs_java
+def test_an_empty_caption_does_not_shift_the_others():
+    hyps = {"dog.jpg": HYPS["dog.jpg"], "shapes-1": "", 7: HYPS[7]}  # empty in the middle, and last
+    gts, res = _ptb(REFS, HYPS)
+    res["shapes-1"] = [""]
+    got = caption_metrics(REFS, hyps, meteor=False)
+    for name, value in _reference_scores(gts, res).items():
+        assert got[name] == pytest.approx(value, rel=1e-12, abs=1e-15), name
+
+
+def test_hypotheses_need_references():
+    with pytest.raises(ValueError, match="no references"):
+        caption_metrics(REFS, {"other.jpg": "a cat"}, meteor=False)
+
+
+@pytest.mark.slow
+@needs_java
+def test_meteor_equals_pycocoevalcap(monkeypatch):
+    import pycocoevalcap.meteor.meteor as meteor_module
+
+    scorer = meteor_module.Meteor()  # one JVM (about 10 s to load) serves both sides
+    monkeypatch.setattr(meteor_module, "Meteor", lambda: scorer)
+    got = caption_metrics(REFS, HYPS)["METEOR"]
+    assert got == pytest.approx(scorer.compute_score(*_ptb(REFS, HYPS))[0], abs=1e-12) and 0 < got < 1
+
+
+# --- grounding -------------------------------------------------------------------------------
+
+# A 100 x 50 image (width x height) seen through a 2 x 4 grid: cells are 25 x 25 px,
+# centres at x = 12.5, 37.5, 62.5, 87.5 and y = 12.5, 37.5.
+SIZE = (100, 50)
+RED_CIRCLE = Box("red circle", 0, 0, 50, 50)  # holds the left 2 columns
+BLUE_SQUARE = Box("blue square", 50, 0, 100, 25)  # holds the top-right 2 cells
+BLUE_CIRCLE = Box("blue circle", 50, 25, 100, 50)  # bottom-right 2 cells
+
+
+def _map(peak: tuple[int, int], weight: float = 0.7) -> np.ndarray:
+    m = np.full((2, 4), (1 - weight) / 7)
+    m[peak] = weight
+    return m
+
+
+def test_word_objects_resolves_ambiguous_words_by_their_phrase():
+    boxes = [RED_CIRCLE, BLUE_SQUARE, BLUE_CIRCLE]
+    words = "a red circle above a blue circle and a blue square and a green circle".split()
+    got = word_objects(words, boxes)
+    assert got[:7] == [None, 0, 0, None, None, 2, 2]  # "red" unique; "circle" by its phrase; "blue circle"
+    assert got[9:11] == [1, 1]  # "blue square"
+    assert got[13:] == [None, None]  # "green circle": no green, and "circle" alone is ambiguous
+
+
+def test_grounding_on_hand_made_maps():
+    words = ["a", "red", "circle", "and", "a", "blue", "square"]
+    attention = np.stack([
+        _map((0, 3)),  # a: not an object word, ignored
+        _map((1, 0)),  # red: peak at (12.5, 37.5), inside the red circle's box
+        _map((0, 2)),  # circle: peak in the square -> miss
+        _map((0, 0)),  # and
+        _map((0, 0)),  # a
+        _map((0, 3)),  # blue: peak at (87.5, 12.5), inside the square
+        _map((1, 3)),  # square: peak at (87.5, 37.5), below the square -> miss
+    ])
+    sample = GroundingSample(words, attention, SIZE, [RED_CIRCLE, BLUE_SQUARE])
+    result = grounding_score([sample])
+    assert result.words == 4
+    assert result.hit_rate == pytest.approx(2 / 4)
+    small = 0.3 / 7
+    masses = [0.7 + 3 * small, 4 * small, 0.7 + small, 2 * small]  # red, circle, blue, square
+    assert result.mean_mass == pytest.approx(sum(masses) / 4)
+
+
+def test_grounding_uses_the_image_size_not_the_grid():
+    # Same map, taller image: (1, 0)'s centre moves from y=37.5 to y=75, out of a box that ends at y=50.
+    sample = GroundingSample(["red"], _map((1, 0))[None], (100, 100), [RED_CIRCLE])
+    assert grounding_score([sample]).hit_rate == 0.0
+    assert grounding_score([]).words == 0
+    with pytest.raises(ValueError, match="2 words"):
+        grounding_score([GroundingSample(["red", "circle"], _map((0, 0))[None], SIZE, [RED_CIRCLE])])

@@ -1,0 +1,66 @@
+import numpy as np
+import PIL.Image
+import pytest
+
+from captioner.inference import Caption
+from captioner.visualize import grid_shape, plot_attention, render_attention, upsample
+
+
+def _caption(n_words: int, size=(96, 64), grid=(4, 6)) -> Caption:
+    rng = np.random.default_rng(n_words)
+    attention = rng.random((n_words, *grid)).astype(np.float32) ** 4  # (T, H', W'), peaky
+    attention /= attention.sum(axis=(1, 2), keepdims=True)
+    words = [f"word{i}" for i in range(n_words)]
+    return Caption(" ".join(words), words, -1.0, -2.0, attention, size)
+
+
+def _photo(size=(96, 64)) -> PIL.Image.Image:
+    x = np.linspace(0, 255, size[0], dtype=np.uint8)
+    return PIL.Image.fromarray(np.stack([np.tile(x, (size[1], 1))] * 3, axis=-1))
+
+
+def test_grid_shape_is_near_square():
+    assert grid_shape(2) == (1, 2)
+    assert grid_shape(8) == (3, 3)
+    assert grid_shape(31) == (6, 6)
+
+
+def test_upsample_is_smooth_and_keeps_the_peak_where_it_was():
+    m = np.zeros((4, 4), np.float32)
+    m[1, 2] = 1.0
+    up = upsample(m, (80, 40))  # (w, h)
+    assert up.shape == (40, 80) and up.min() >= 0
+    y, x = np.unravel_index(up.argmax(), up.shape)
+    assert 10 <= y < 20 and 40 <= x < 60  # inside the cell (row 1, col 2)
+    assert 0 < up[15, 30] < up[y, x]  # smooth: the neighbour cell is warm, not 0
+
+
+def test_render_attention_keeps_the_image_size():
+    out = render_attention(_photo(), _caption(1).attention[0])
+    assert out.size == (96, 64) and out.mode == "RGB"
+
+
+@pytest.mark.parametrize("n_words", [1, 30])
+def test_plot_attention_writes_a_png_for_short_and_long_captions(tmp_path, n_words):
+    path = plot_attention(_photo(), _caption(n_words), tmp_path / "out" / "grid.png", dpi=40)
+    with PIL.Image.open(path) as im:
+        assert im.format == "PNG"
+        rows, cols = grid_shape(n_words + 1)
+        assert im.width > cols * 40 and im.height > rows * 40  # a panel per word, each of a readable size
+
+
+def test_plot_attention_writes_per_word_pngs_and_a_gif(tmp_path):
+    caption = _caption(3)
+    plot_attention(_photo(), caption, tmp_path / "grid.png", dpi=40, per_word_dir=tmp_path / "words",
+                   gif_path=tmp_path / "anim.gif")
+    assert [p.name for p in sorted((tmp_path / "words").glob("*.png"))] == ["01_word0.png", "02_word1.png",
+                                                                            "03_word2.png"]
+    with PIL.Image.open(tmp_path / "anim.gif") as gif:
+        assert gif.n_frames == 4  # the photo, then one frame per word
+
+
+def test_plot_attention_rejects_mismatched_maps(tmp_path):
+    caption = _caption(3)
+    caption.tokens = caption.tokens[:2]
+    with pytest.raises(ValueError, match="2 words but 3"):
+        plot_attention(_photo(), caption, tmp_path / "x.png")
