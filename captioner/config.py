@@ -80,7 +80,9 @@ class TrainConfig:
     val_every_steps: int = 0  # 0 = validate once per epoch
     val_images: int = 0  # 0 = all validation images
     val_metric: str = "CIDEr"
-    patience: int = 5  # epochs (validations) without improvement before stopping
+    patience: int = 5  # epochs (validations) without improvement before stopping; 0 = never stop early
+    checkpoint_every_steps: int = 0  # also write last.pt every N steps (0 = at the end of each epoch only)
+    length_buckets: int = 0  # >0: batch captions of similar length within windows of N batches (less padding)
     log_every: int = 10
 
 

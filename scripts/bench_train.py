@@ -1,0 +1,189 @@
+"""Training throughput: the decoder from the feature cache vs. the frozen encoder run on every batch.
+
+    python scripts/bench_train.py                       # one epoch of flickr8k-800 each way
+    python scripts/bench_train.py --limit-images 200    # quicker: the first 200 training images
+
+Both ways train the same model (same initial weights, batch size, data order) for one epoch:
+  (a) cached:   the decoder trains from each image's stored grid (computed once, then memory-mapped);
+  (b) encoder:  every batch decodes the JPEGs, resizes them and runs the frozen encoder, as most
+                implementations do, then the same decoder step.
+Printed: captions/s of each and their ratio, tokens/s, peak RSS, the achieved GFLOP/s of (a)
+(FLOPs of one training step counted with FlopCounterMode: matmuls, convolutions) next to this
+machine's float32 matmul peak, and, with --amp, float32 vs bf16 autocast for the cached steps.
+The one-time cache build is timed separately.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import logging
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+
+from captioner.cache import build_cache
+from captioner.config import load_config
+from captioner.datasets import CaptionDataset, collate
+from captioner.distributed import EpochBatchSampler
+from captioner.loss import caption_loss
+from captioner.model import build_model
+from captioner.prepare import load_data_records
+from captioner.sources import split_records
+from captioner.train import Meter, caption_lengths, resolve_amp, train_one_epoch, train_step
+from captioner.vocab import build_vocabulary
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def matmul_peak(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of a large torch.matmul on this machine (best of `reps`)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        tick = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - tick)
+    return 2 * n**3 / best / 1e9
+
+
+def one_epoch(model, loader, lr: float, alpha_reg: float, grad_clip: float, cached: bool,
+              amp_dtype: torch.dtype | None = None) -> Meter:
+    """Train a copy of `model` for one pass over `loader`; the meter holds captions, tokens, seconds."""
+    model = copy.deepcopy(model)
+    net = model.decoder if cached else model
+    optimizer = torch.optim.AdamW(model.decoder.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    criterion = functools.partial(caption_loss, alpha_reg=alpha_reg)
+    meter = Meter()
+    torch.manual_seed(0)
+    train_one_epoch(net, criterion, optimizer, scheduler, scaler, loader, torch.device("cpu"), meter,
+                    amp_dtype=amp_dtype, grad_clip=grad_clip, progress=sys.stderr.isatty(),
+                    desc="cached" if cached else "encoder")
+    return meter
+
+
+def step_flops(model, batch, alpha_reg: float) -> int:
+    """FLOPs (matmul/conv) of one cached training step: forward and backward of the decoder."""
+    decoder = copy.deepcopy(model.decoder)
+    with FlopCounterMode(display=False) as counter:
+        out = decoder(batch.inputs, batch.tokens)
+        caption_loss(out.logits, batch.tokens[:, 1:], batch.lengths, out.alphas, alpha_reg).total.backward()
+    return counter.get_total_flops()
+
+
+def amp_compare(model, batches: list, lr: float, alpha_reg: float, repeats: int = 3) -> dict[str, float]:
+    """Captions/s of cached steps in float32 and under bf16 autocast, interleaved (best of `repeats`)."""
+    best = {"float32": 0.0, "bf16": 0.0}
+    for _ in range(repeats):
+        for name, dtype in (("float32", None), ("bf16", torch.bfloat16)):
+            decoder = copy.deepcopy(model.decoder).train()
+            optimizer = torch.optim.AdamW(decoder.parameters(), lr=lr)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            criterion = functools.partial(caption_loss, alpha_reg=alpha_reg)
+            train_step(decoder, criterion, optimizer, scheduler, scaler, batches[0], torch.device("cpu"), dtype)
+            tick = time.perf_counter()
+            for b in batches:
+                train_step(decoder, criterion, optimizer, scheduler, scaler, b, torch.device("cpu"), dtype)
+            captions = sum(len(b.lengths) for b in batches)
+            best[name] = max(best[name], captions / (time.perf_counter() - tick))
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "flickr8k-800.yaml"))
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "flickr8k-800"))
+    p.add_argument("--limit-images", type=int, default=0, help="use only the first N training images (0 = all)")
+    p.add_argument("--batch-size", type=int, default=0, help="default: the config's train.batch_size")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers for both ways")
+    p.add_argument("--cache-dir", default="", help="feature cache folder (default: a temporary one)")
+    p.add_argument("--amp", action="store_true", help="also compare float32 with bf16 autocast (cached steps)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    cfg = load_config(args.config, [f"data.path={args.data}", *args.overrides])
+    batch_size = args.batch_size or cfg.train.batch_size
+    amp_dtype = resolve_amp(cfg.train.amp, torch.device("cpu"))
+    train_records = split_records(load_data_records(cfg.data))["train"]
+    if args.limit_images:
+        train_records = train_records[: args.limit_images]
+    vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, len(vocab))
+    enc = cfg.model.encoder
+    grid = model.encoder.grid
+    print(f"data: {len(train_records)} training images of {args.data}; {enc.name} at {enc.image_size} px "
+          f"(grid {grid[0]}x{grid[1]}, D {model.encoder.out_dim}); vocabulary {len(vocab)}; batch {batch_size}; "
+          f"autocast {amp_dtype or 'off (float32)'}; length buckets {cfg.train.length_buckets}; "
+          f"{torch.get_num_threads()} threads")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tick = time.perf_counter()
+        cache = build_cache(train_records, model.encoder, args.cache_dir or tmp, batch_size=batch_size,
+                            progress=sys.stderr.isatty()).cache
+        build_s = time.perf_counter() - tick
+        print(f"cache build (once): {len(train_records) / build_s:.1f} images/s, {cache.nbytes / 2**20:.0f} MB")
+
+        def loader(dataset):
+            lengths = caption_lengths(dataset, cfg.data.max_length) if cfg.train.length_buckets else None
+            sampler = EpochBatchSampler(len(dataset), batch_size, seed=0, lengths=lengths,
+                                        bucket=cfg.train.length_buckets)
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=args.workers,
+                              generator=torch.Generator().manual_seed(0))
+
+        cached_set = CaptionDataset(train_records, vocab, cfg.data.max_length, cache=cache)
+        image_set = CaptionDataset(train_records, vocab, cfg.data.max_length,
+                                   transform=model.encoder.transform(train=False))
+        tc = cfg.train
+        a = one_epoch(model, loader(cached_set), tc.lr, tc.alpha_reg, tc.grad_clip, cached=True, amp_dtype=amp_dtype)
+        b = one_epoch(model, loader(image_set), tc.lr, tc.alpha_reg, tc.grad_clip, cached=False, amp_dtype=amp_dtype)
+
+        # FLOPs scale with the padded steps (captions x the batch's longest caption); count one batch's
+        first = next(iter(loader(cached_set)))
+        flops_per_step = step_flops(model, first, tc.alpha_reg) / (len(first.lengths) * (first.tokens.size(1) - 1))
+        sampler = loader(cached_set).batch_sampler
+        lengths = caption_lengths(cached_set, cfg.data.max_length)
+        padded_steps = sum(len(bt) * (max(lengths[i] for i in bt) - 1) for bt in sampler)
+        amp = None
+        if args.amp:
+            batches = [collate([cached_set[i] for i in range(j, j + batch_size)])
+                       for j in range(0, 4 * batch_size, batch_size)]
+            amp = amp_compare(model, batches, tc.lr, tc.alpha_reg)
+
+    peak = matmul_peak()
+    peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
+    rate_a, rate_b = a.captions / a.seconds, b.captions / b.seconds
+    flops = flops_per_step * padded_steps
+    achieved = flops / a.seconds / 1e9
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"(a) cached:   {a.captions} captions in {a.seconds:.1f} s = {rate_a:,.1f} captions/s, "
+          f"{a.tokens / a.seconds:,.0f} tokens/s")
+    print(f"(b) encoder:  {b.captions} captions in {b.seconds:.1f} s = {rate_b:,.1f} captions/s, "
+          f"{b.tokens / b.seconds:,.0f} tokens/s")
+    print(f"speed-up (a)/(b): {rate_a / rate_b:.1f}x")
+    print(f"(a) achieved: {achieved:.1f} GFLOP/s ({flops / a.captions / 1e6:.0f} MFLOP per caption, fwd+bwd, "
+          f"matmuls only) vs fp32 matmul peak {peak:.1f} GFLOP/s ({100 * achieved / peak:.0f}%)"
+          + (f", bf16 matmul peak {peak_bf16:.1f} GFLOP/s ({100 * achieved / peak_bf16:.0f}%)" if peak_bf16 else ""))
+    print(f"peak RSS: {rss_mb:,.0f} MB")
+    if amp is not None:
+        print(f"cached steps, float32: {amp['float32']:.1f} captions/s; bf16 autocast: {amp['bf16']:.1f} captions/s "
+              f"({amp['bf16'] / amp['float32']:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Training: a short run learns and leaves usable checkpoints; a killed run resumes to the very same
+weights; the data order covers every caption once; bad configs fail in one line."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from captioner.checkpoint import load_checkpoint, load_model
+from captioner.cli import main
+from captioner.config import DecodeConfig
+from captioner.distributed import capture_rng, epoch_batches, restore_rng, steps_per_epoch
+from captioner.encoder import build_encoder
+from captioner.search import decode
+from captioner.train import lr_factor, run_config, sampling_probability, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = """\
+data:
+  path: shapes
+  shapes_images: 40
+model:
+  encoder: {name: random, image_size: 64}
+  decoder: {embed_dim: 16, hidden_dim: 32, attention_dim: 16, dropout: 0.2}
+train:
+  epochs: 3
+  batch_size: 16
+  lr: 0.005
+  scheduled_sampling: 0.3
+  patience: 0
+decode: {beam_size: 2, max_length: 12}
+"""
+
+
+@pytest.fixture(scope="module")
+def shapes_cache(tmp_path_factory):
+    """A shared folder for the 40-image shapes set (generated once for the module)."""
+    return tmp_path_factory.mktemp("captioner-cache")
+
+
+@pytest.fixture
+def tiny(tmp_path, shapes_cache, monkeypatch):
+    """A tiny config file; one CPU thread (the machine is shared, and tiny ops do not need more)."""
+    monkeypatch.setenv("CAPTIONER_CACHE", str(shapes_cache))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    yield path
+    torch.set_num_threads(threads)
+
+
+def _weights(path):
+    return load_checkpoint(path).model_state
+
+
+def _assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_short_run_lowers_the_loss_and_its_checkpoint_captions(tiny, tmp_path):
+    result = train(run_config(tiny, []), tmp_path / "run", "cpu")
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [10, 20, 30] and result.steps == 30 and result.epochs == 3
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    for key in ("xent", "attention", "val_CIDEr", "val_Bleu_4", "lr", "seconds", "captions_per_s"):
+        assert key in lines[0]
+    assert result.best is not None and result.best.is_file() and result.last.is_file()
+
+    model, ckpt = load_model(result.best)
+    assert ckpt.train_state is None and ckpt.meta["best"]["metric"] == "CIDEr"
+    last = load_checkpoint(result.last)
+    assert last.train_state["position"]["epoch"] == 3 and last.train_state["config"]["train"]["epochs"] == 3
+    features = model.encoder(torch.randn(2, 3, 64, 64))  # (2, L, D)
+    hyps = decode(model.decoder, features, DecodeConfig(beam_size=2, max_length=8), ckpt.vocab)
+    assert len(hyps) == 2 and all(len(h.tokens) >= 1 for h in hyps)
+
+
+def test_killed_run_resumes_to_the_same_weights(tiny, tmp_path):
+    """SIGKILL a training process at an arbitrary step; `--resume` must end where an uninterrupted run ends."""
+    reference = train(run_config(tiny, []), tmp_path / "reference", "cpu")
+
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "captioner.cli", "train", "--config", str(tiny), "--out", str(out), "--device", "cpu",
+           "train.checkpoint_every_steps=1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # let it get into the next steps: the kill lands mid-step or mid-write
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    killed_at = load_checkpoint(out / "last.pt").train_state["position"]["step"]
+    assert 1 <= killed_at < reference.steps, killed_at
+    print(f"killed after step {killed_at} of {reference.steps}")
+
+    assert main(["train", "--resume", str(out / "last.pt"), "--device", "cpu"]) == 0
+    _assert_same_weights(_weights(reference.last), _weights(out / "last.pt"))
+    _assert_same_weights(_weights(reference.best), _weights(out / "best.pt"))
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [10, 20, 30]  # lines a killed run wrote after its checkpoint are not repeated
+
+
+def test_stop_mid_epoch_then_resume_matches_a_full_run_and_overrides_extend_it(tiny, tmp_path):
+    """The in-process stop hook at a mid-epoch step, with validation every 7 steps; then a finished run
+    extended by `train.epochs=4`."""
+    overrides = ["model.decoder.init_pooling=attention", "train.val_every_steps=7", "train.length_buckets=2"]
+    cfg = run_config(tiny, overrides)
+    stopped = train(cfg, tmp_path / "run", "cpu", stop_after_steps=13)
+    assert stopped.steps == 13
+    state = load_checkpoint(tmp_path / "run" / "last.pt").train_state["position"]
+    assert (state["epoch"], state["batch"], state["step"]) == (1, 3, 13)
+    last = tmp_path / "run" / "last.pt"
+    resumed = train(run_config(None, [], resume=last), tmp_path / "run", "cpu", resume=last)
+    full = train(cfg, tmp_path / "full", "cpu")
+    assert resumed.steps == full.steps == 30
+    _assert_same_weights(_weights(full.last), _weights(resumed.last))
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [7, 14, 21, 28, 30]  # and a last validation at the end
+
+    extended = train(run_config(None, ["train.epochs=4"], resume=last), tmp_path / "run", "cpu", resume=last)
+    assert (extended.epochs, extended.steps) == (4, 40)
+
+
+def test_fine_tuned_encoder_trains_from_images(tiny, tmp_path):
+    """No cache: the encoder runs on every batch, its last stage trains with its own lr, the rest stays put."""
+    cfg = run_config(tiny, ["train.epochs=1", "data.augment=true", "model.encoder.trainable_stages=1",
+                            "train.encoder_lr=0.01", "train.val_images=2"])
+    result = train(cfg, tmp_path / "run", "cpu")
+    assert not (tmp_path / "run" / "cache").exists()
+    ckpt = load_checkpoint(result.last)
+    groups = ckpt.train_state["optimizer"]["param_groups"]
+    assert [g["initial_lr"] for g in groups] == [0.005, 0.01]
+    fresh = build_encoder(cfg.model.encoder).state_dict()  # the random backbone's fixed initial weights
+    after = {k.removeprefix("encoder."): v for k, v in ckpt.model_state.items() if k.startswith("encoder.")}
+    assert not torch.equal(after["backbone.block3.0.weight"], fresh["backbone.block3.0.weight"])
+    assert torch.equal(after["backbone.block0.0.weight"], fresh["backbone.block0.0.weight"])
+
+
+def test_bad_config_key_is_one_line_and_exit_2(tiny, capsys):
+    assert main(["train", "--config", str(tiny), "train.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "train.lrr" in err and err.startswith("captioner: error:")
+    assert main(["train", "--config", str(tiny), "train.epochs=many"]) == 2
+    assert "train.epochs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n, batch, world",
+                         [(160, 16, 1), (161, 16, 2), (33, 16, 2), (7, 2, 3), (5, 4, 4), (40, 64, 3)])
+@pytest.mark.parametrize("bucket", [0, 2])
+def test_epoch_batches_cover_every_item_once_with_equal_steps_per_rank(n, batch, world, bucket):
+    lengths = [(i * 7) % 13 + 3 for i in range(n)]
+    for epoch in (0, 1):
+        per_rank = [epoch_batches(n, batch, 0, epoch, r, world, lengths=lengths, bucket=bucket) for r in range(world)]
+        assert {len(b) for b in per_rank} == {steps_per_epoch(n, batch, world)}
+        seen = sorted(i for batches in per_rank for b in batches for i in b)
+        assert seen == list(range(n))
+        assert all(len(b) >= 1 for batches in per_rank for b in batches)
+    assert epoch_batches(n, batch, 0, 0) != epoch_batches(n, batch, 0, 1)  # reshuffled every epoch
+    assert epoch_batches(n, batch, 0, 1) == epoch_batches(n, batch, 0, 1)
+
+
+def test_length_buckets_cut_padding():
+    lengths = [(i * 7919) % 20 + 3 for i in range(2000)]
+
+    def padded(bucket):
+        batches = epoch_batches(2000, 32, 0, 0, lengths=lengths, bucket=bucket)
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    assert padded(50) < 0.75 * padded(0)
+    assert sum(lengths) <= padded(50)
+
+
+def test_schedules():
+    assert lr_factor(0, 100, 10, "cosine") == pytest.approx(0.1)
+    assert lr_factor(10, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_factor(100, 100, 10, "cosine") == pytest.approx(0.0)
+    assert lr_factor(50, 100, 0, "constant") == 1.0
+    assert [sampling_probability(0.4, e, 5) for e in range(5)] == pytest.approx([0, 0.1, 0.2, 0.3, 0.4])
+
+
+def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    import random
+
+    import numpy as np
+
+    state = capture_rng()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
