@@ -51,8 +51,10 @@ class DecoderConfig:
     hidden_dim: int = 512
     attention_dim: int = 256
     dropout: float = 0.5
+    feature_dim: int = 512  # project the encoder's D-wide regions to this width once per image (0 = keep D)
+    position: bool = True  # add learned row + column embeddings to the regions, so attention can select by place
     gate: bool = True  # Show-Attend-Tell's beta = sigmoid(Linear(h)) on the context
-    init_pooling: str = "mean"  # "mean" | "attention": how the grid becomes the initial hidden state
+    init_pooling: str = "mean"  # "mean" | "attention" | "none" (zeros): how the grid becomes the initial state
 
 
 @dataclass(frozen=True)

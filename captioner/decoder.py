@@ -9,6 +9,11 @@ Per step t, with previous word y and state h:
     h' = GRUCell([embed(y); context], h)
     logits = Linear(dropout([h'; context; embed(y)]))        # deep output
 The initial state is tanh(Linear(pool(features))), pool = mean or attention pooling.
+
+Before all of this, once per image, the regions are projected from the encoder's width to
+`feature_dim` (ReLU(Linear)) and given learned row + column embeddings. CNN features say *what*
+is in a region but hardly *where* it is; with the position term the query can ask for "the
+leftmost object", which captions that order objects in space need.
 """
 from __future__ import annotations
 
@@ -54,14 +59,36 @@ class DecoderOutput:
 class AttentionDecoder(nn.Module):
     """Writes a caption word by word, attending over the regions at every step."""
 
-    def __init__(self, vocab_size: int, feature_dim: int, cfg: DecoderConfig, pad_id: int = 0) -> None:
+    def __init__(self, vocab_size: int, feature_dim: int, cfg: DecoderConfig, grid: tuple[int, int] | None = None,
+                 pad_id: int = 0) -> None:
+        """
+        Args:
+            vocab_size: V.
+            feature_dim: the encoder's region width.
+            cfg: widths and options.
+            grid: (H', W') of the encoder's grid; needed when cfg.position is on.
+            pad_id: the <pad> token id.
+        """
         super().__init__()
-        if cfg.init_pooling not in ("mean", "attention"):
-            raise ValueError(f"decoder.init_pooling must be 'mean' or 'attention', got {cfg.init_pooling!r}")
-        E, H, D, A = cfg.embed_dim, cfg.hidden_dim, feature_dim, cfg.attention_dim
+        if cfg.init_pooling not in ("mean", "attention", "none"):
+            raise ValueError(f"decoder.init_pooling must be 'mean', 'attention' or 'none', got {cfg.init_pooling!r}")
+        if cfg.position and grid is None:
+            raise ValueError("decoder.position needs the encoder's grid (H', W')")
+        D = cfg.feature_dim or feature_dim
+        E, H, A = cfg.embed_dim, cfg.hidden_dim, cfg.attention_dim
+        self.project = nn.Sequential(nn.Linear(feature_dim, D), nn.ReLU()) if cfg.feature_dim else None
+        self.grid = tuple(grid) if grid is not None else None
+        if cfg.position:
+            self.row_embedding = nn.Parameter(torch.zeros(grid[0], D))  # (H', D)
+            self.col_embedding = nn.Parameter(torch.zeros(grid[1], D))  # (W', D)
+            nn.init.normal_(self.row_embedding, std=0.02)
+            nn.init.normal_(self.col_embedding, std=0.02)
+        else:
+            self.row_embedding = self.col_embedding = None
         self.embedding = nn.Embedding(vocab_size, E, padding_idx=pad_id)
         self.attention = BahdanauAttention(D, H, A)
         self.gate = nn.Linear(H, D) if cfg.gate else None
+        self.init_pooling = cfg.init_pooling
         self.pool = AttentionPool(D, A) if cfg.init_pooling == "attention" else None
         self.init_h = nn.Linear(D, H)
         self.cell = nn.GRUCell(E + D, H)
@@ -69,11 +96,23 @@ class AttentionDecoder(nn.Module):
         self.readout = nn.Linear(H + D + E, vocab_size)
 
     def memory(self, features: Tensor, mask: Tensor | None = None) -> Memory:
-        """(B, L, D) features and optional (B, L) mask -> Memory with the keys precomputed."""
+        """(B, L, D_enc) encoder features and optional (B, L) mask -> Memory: the regions projected
+        and placed (B, L, D) and their keys (B, L, A), computed once per image."""
+        if self.project is not None:
+            features = self.project(features)  # (B, L, D_enc) -> (B, L, D)
+        if self.row_embedding is not None:
+            H_, W_ = self.grid
+            if features.size(1) != H_ * W_:
+                raise ValueError(f"decoder built for a {H_}x{W_} grid got {features.size(1)} regions")
+            position = (self.row_embedding[:, None] + self.col_embedding[None, :]).reshape(H_ * W_, -1)  # (L, D)
+            features = features + position.to(features.dtype)  # (B, L, D)
         return Memory(features, self.attention.keys(features), mask)
 
     def init_hidden(self, memory: Memory) -> Tensor:
-        """Memory -> (B, H) initial state."""
+        """Memory -> (B, H) initial state (zeros with init_pooling 'none': then everything the
+        decoder knows of the image comes through attention)."""
+        if self.init_pooling == "none":
+            return memory.features.new_zeros(memory.features.size(0), self.init_h.out_features)  # (B, H)
         if self.pool is None:
             pooled = masked_mean(memory.features, memory.mask)  # (B, D)
         else:
@@ -104,7 +143,7 @@ class AttentionDecoder(nn.Module):
         """Teacher-forced pass over padded captions.
 
         Args:
-            features: (B, L, D) encoder grid.
+            features: (B, L, D_enc) encoder grid.
             tokens: (B, T + 1) `[<start>, w1..wn, <end>, <pad>...]`; the decoder reads tokens[:, :-1].
             mask: optional (B, L) region mask, True on real regions.
             sampling_prob: probability of feeding the model's own previous prediction instead of

@@ -31,5 +31,5 @@ class CaptionModel(nn.Module):
 def build_model(cfg: ModelConfig, vocab_size: int, pretrained: bool = True) -> CaptionModel:
     """Build encoder and decoder; `pretrained=False` skips loading encoder weights (a checkpoint follows)."""
     encoder = build_encoder(cfg.encoder, pretrained=pretrained)
-    decoder = AttentionDecoder(vocab_size, encoder.out_dim, cfg.decoder)
+    decoder = AttentionDecoder(vocab_size, encoder.out_dim, cfg.decoder, grid=encoder.grid)
     return CaptionModel(encoder, decoder)

@@ -11,14 +11,14 @@ from captioner.vocab import Vocabulary
 B, L, D, V = 4, 9, 16, 30
 PAD, START, END, UNK = 0, 1, 2, 3
 BANNED = (PAD, START, UNK)
-CFG = DecoderConfig(embed_dim=8, hidden_dim=12, attention_dim=10, dropout=0.0)
+CFG = DecoderConfig(embed_dim=8, hidden_dim=12, attention_dim=10, dropout=0.0, feature_dim=0)
 
 
 def _decoder(vocab_size: int = V, sharpen: float = 4.0, end_bias: float = 1.0) -> AttentionDecoder:
     """A random decoder whose word distributions are peaked enough to avoid near-ties, and whose
     <end> is likely enough that captions end after 0 to 10 words (or not at all): images of a
     batch finish at different steps."""
-    dec = AttentionDecoder(vocab_size, D, CFG).eval()
+    dec = AttentionDecoder(vocab_size, D, CFG, grid=(3, 3)).eval()
     with torch.no_grad():
         dec.readout.weight.mul_(sharpen)
         dec.readout.bias[END] += end_bias
