@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,7 @@ from captioner.vocab import build_vocabulary
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", help="a trained checkpoint; default: an untrained model (see above)")
-    p.add_argument("--data", default="/work/shared/data/flickr8k-800", help="data set whose images are captioned")
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/flickr8k-800"), help="data set whose images are captioned")
     p.add_argument("--images", type=int, default=64, help="images per measurement")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--max-length", type=int, default=20)
