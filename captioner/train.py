@@ -319,7 +319,8 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
             raise CaptionerError("model.* settings cannot change when resuming (they are the checkpoint's)")
         vocab, model = resume.vocab, restore_model(resume)
     else:
-        vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count)
+        vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count,
+                                 cfg.data.max_length)  # the same words `captioner prepare` counts
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, len(vocab))
     train_set, val_set, cached = build_datasets_for(cfg.data, tc.seed, tc.batch_size, model.encoder, train_records,
