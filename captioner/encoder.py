@@ -60,6 +60,8 @@ class Backbone:
         weights_tag: identity of the default weights (goes into `cache_key`).
         load_default: loads the default weights into `net` (None for `random`).
         rename: maps a foreign state dict's keys onto `net`'s (for local weight files).
+        same_padding: TensorFlow-style "same" padding (pads more after than before on stride 2),
+            which shifts every cell's receptive field towards the bottom-right.
     """
 
     net: nn.Sequential
@@ -70,6 +72,7 @@ class Backbone:
     weights_tag: str
     load_default: Callable[[nn.Module], None] | None = None
     rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None
+    same_padding: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +164,7 @@ def _build_lite(name: str) -> Backbone:
         return _lite_rename(state, net) if any(k.startswith("_blocks.") for k in state) else state
 
     return Backbone(net, stages, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), T.InterpolationMode.BICUBIC,
-                    weights_tag="pkg", load_default=load_default, rename=rename)
+                    weights_tag="pkg", load_default=load_default, rename=rename, same_padding=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +291,19 @@ def _file_digest(path: Path) -> str:
 # the Encoder
 
 
+def cell_offset(stride: float, same_padding: bool) -> float:
+    """Where a grid cell's receptive field is centred, in cells from the cell's nominal centre.
+
+    With symmetric padding each stride-2 layer centres output j on input 2j, so a cell of total
+    stride s is centred on pixel s*j (+0.5 px): half a cell before its nominal centre s*(j + 1/2).
+    TensorFlow "same" padding pads one more pixel after than before, centring output j on input
+    2j + 1, so the cell is centred on s*j + s - 1 (+0.5 px): half a cell after it. Attention maps
+    are drawn and scored at the centres the cells actually see.
+    """
+    half = 0.5 - 0.5 / stride
+    return half if same_padding else -half
+
+
 def _rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
@@ -325,6 +341,7 @@ class Encoder(nn.Module):
             fmap = self.backbone(torch.zeros(1, 3, image_size, image_size))  # (1, D, H', W')
         self.out_dim: int = fmap.shape[1]
         self.grid: tuple[int, int] = (fmap.shape[2], fmap.shape[3])
+        self.cell_offset: float = cell_offset(image_size / self.grid[1], backbone.same_padding)
         self.train()
 
     @property

@@ -51,6 +51,8 @@ class Caption:
     image_size: (width, height) of the captioned image.
     path: the image file, when the image came from one.
     finished: False when the caption was cut at max_length without <end>.
+    cell_offset: where the encoder's cells are centred, in cells from their nominal centres
+        (`Encoder.cell_offset`); the pictures and the grounding score place the maps there.
     """
 
     text: str
@@ -61,6 +63,7 @@ class Caption:
     image_size: tuple[int, int]
     path: str | None = None
     finished: bool = True
+    cell_offset: float = 0.0
 
     def to_json(self, attention: bool = True) -> dict[str, Any]:
         """Plain JSON-ready dict; `attention` as nested lists, one (H', W') grid per word."""
@@ -68,6 +71,7 @@ class Caption:
                                "score": self.score, "logprob": self.logprob, "finished": self.finished}
         if attention:
             row["attention"] = self.attention.tolist()
+            row["cell_offset"] = self.cell_offset
         return row
 
 
@@ -195,7 +199,8 @@ class Captioner:
         attention = hyp.alphas.detach().float().cpu().numpy().reshape(len(words), *self.grid)  # (T, H', W')
         attention = attention / attention.sum(axis=(1, 2), keepdims=True).clip(min=1e-12)  # exact sums after bf16
         return Caption(" ".join(words), words, hyp.score, hyp.logprob, attention.astype(np.float32),
-                       (int(image_size[0]), int(image_size[1])), path, hyp.finished)
+                       (int(image_size[0]), int(image_size[1])), path, hyp.finished,
+                       self.model.encoder.cell_offset)
 
 
 # --- evaluation ------------------------------------------------------------------------------
@@ -255,7 +260,7 @@ def evaluate(captioner: Captioner, records: Sequence[Record], batch_size: int = 
             captions.append(result)
     references = {c.path: list(by_path[c.path].captions) for c in captions}
     metrics = caption_metrics(references, {c.path: c.text for c in captions}, meteor=meteor) if captions else {}
-    grounded = [GroundingSample(c.tokens, c.attention, c.image_size, by_path[c.path].boxes)
+    grounded = [GroundingSample(c.tokens, c.attention, c.image_size, by_path[c.path].boxes, c.cell_offset)
                 for c in captions if by_path[c.path].boxes]
     grounding = grounding_score(grounded) if grounded else None
     return Evaluation(metrics, grounding, captions, references, skipped, captioner.decode_config(**decode_overrides))

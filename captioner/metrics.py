@@ -122,6 +122,7 @@ class GroundingSample:
     attention: np.ndarray
     image_size: tuple[int, int]
     boxes: Sequence[Box]
+    cell_offset: float = 0.0  # where the cells' receptive fields are centred, in cells (Encoder.cell_offset)
 
 
 @dataclass(frozen=True)
@@ -161,15 +162,17 @@ def word_objects(words: Sequence[str], boxes: Sequence[Box]) -> list[int | None]
     return result
 
 
-def cell_centres(grid: tuple[int, int], image_size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def cell_centres(grid: tuple[int, int], image_size: tuple[int, int],
+                 offset: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Pixel centres of the grid cells in the original image: x (W',) and y (H',).
 
     The encoder squashes the whole image into its square input (no crop), so cell (r, c) covers
-    the same fraction of the original image along each axis.
+    the same fraction of the original image along each axis; `offset` (in cells) moves the centres
+    to where the cells' receptive fields are centred (see `Encoder.cell_offset`).
     """
     (rows, cols), (width, height) = grid, image_size
-    xs = (np.arange(cols) + 0.5) * (width / cols)  # (W',)
-    ys = (np.arange(rows) + 0.5) * (height / rows)  # (H',)
+    xs = (np.arange(cols) + 0.5 + offset) * (width / cols)  # (W',)
+    ys = (np.arange(rows) + 0.5 + offset) * (height / rows)  # (H',)
     return xs, ys
 
 
@@ -186,7 +189,7 @@ def grounding_score(samples: Iterable[GroundingSample]) -> GroundingResult:
         attention = np.asarray(s.attention, dtype=np.float64)  # (T, H', W')
         if attention.ndim != 3 or attention.shape[0] != len(s.words):
             raise ValueError(f"grounding: attention of shape {attention.shape} for {len(s.words)} words")
-        xs, ys = cell_centres(attention.shape[1:], s.image_size)
+        xs, ys = cell_centres(attention.shape[1:], s.image_size, s.cell_offset)
         for t, j in enumerate(word_objects(s.words, s.boxes)):
             if j is None:
                 continue

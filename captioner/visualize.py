@@ -28,21 +28,28 @@ DISPLAY_SIDE = 360  # longest side, pixels, of the photo inside a panel / frame
 FRAME_SIDE = 448  # longest side of per-word PNGs and GIF frames
 
 
-def upsample(attention_map: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """(H', W') map -> (h, w) float32 map, bicubic, clipped at 0 (bicubic overshoots), same total shape.
+def upsample(attention_map: np.ndarray, size: tuple[int, int], offset: float = 0.0) -> np.ndarray:
+    """(H', W') map -> (h, w) float32 map, bicubic, clipped at 0 (bicubic overshoots).
 
     Args:
         attention_map: (H', W') weights of one word.
         size: (w, h) target size in pixels, PIL order.
+        offset: where the cells are centred, in cells from their nominal centres; the map is
+            shifted by that much (edges repeated) so each weight sits where its cell looked.
     """
     w, h = size
+    rows, cols = np.shape(attention_map)
     grid = torch.as_tensor(np.asarray(attention_map, dtype=np.float32))[None, None]  # (1, 1, H', W')
-    up = F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)  # (1, 1, h, w)
-    return up[0, 0].clamp_min(0).numpy()  # (h, w)
+    up = F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)[0, 0]  # (h, w)
+    dy, dx = round(offset * h / rows), round(offset * w / cols)  # pixels
+    if dy or dx:
+        padded = F.pad(up[None, None], (max(dx, 0), max(-dx, 0), max(dy, 0), max(-dy, 0)), mode="replicate")[0, 0]
+        up = padded[max(-dy, 0) : max(-dy, 0) + h, max(-dx, 0) : max(-dx, 0) + w]  # (h, w), moved by (dy, dx)
+    return up.clamp_min(0).numpy()  # (h, w)
 
 
 def render_attention(image: PIL.Image.Image, attention_map: np.ndarray, alpha: float = 0.6,
-                     cmap: str = "jet") -> PIL.Image.Image:
+                     cmap: str = "jet", offset: float = 0.0) -> PIL.Image.Image:
     """The photo with one attention map blended over it: RGB, the photo's size.
 
     The map is scaled to [0, 1] by its own maximum, so every word shows where *its* attention peaked.
@@ -51,7 +58,7 @@ def render_attention(image: PIL.Image.Image, attention_map: np.ndarray, alpha: f
     """
     import matplotlib
 
-    heat = upsample(attention_map, image.size)  # (h, w)
+    heat = upsample(attention_map, image.size, offset)  # (h, w)
     heat = heat / max(float(heat.max()), 1e-12)
     colours = matplotlib.colormaps[cmap](heat)[..., :3]  # (h, w, 3) in [0, 1]
     photo = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0  # (h, w, 3)
@@ -112,7 +119,8 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
     fig.subplots_adjust(left=0.1 / fig_w, right=1 - 0.1 / fig_w, bottom=0.1 / fig_h,
                         top=1 - (header_in + title_in) / fig_h, wspace=0.04,
                         hspace=title_in / panel_h)
-    panels = [(photo, "(image)")] + [(render_attention(photo, caption.attention[t], alpha, cmap), word)
+    panels = [(photo, "(image)")] + [(render_attention(photo, caption.attention[t], alpha, cmap,
+                                                        caption.cell_offset), word)
                                      for t, word in enumerate(caption.tokens)]
     for i in range(rows * cols):
         ax = fig.add_subplot(rows, cols, i + 1)
@@ -186,7 +194,8 @@ def word_frames(image: PIL.Image.Image, caption: Caption, alpha: float = 0.6, cm
     words = list(caption.tokens)
     frames = [_with_banner(photo, words, None)]
     for t in range(len(words)):
-        frames.append(_with_banner(render_attention(photo, caption.attention[t], alpha, cmap), words, t))
+        overlay = render_attention(photo, caption.attention[t], alpha, cmap, caption.cell_offset)
+        frames.append(_with_banner(overlay, words, t))
     return frames
 
 

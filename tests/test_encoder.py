@@ -203,3 +203,12 @@ def test_missing_imagenet_weights_raise_instead_of_falling_back_to_random(monkey
     with pytest.raises(EncoderError, match="resnet50: ImageNet weights.*model.encoder.weights=PATH") as err:
         build_encoder(EncoderConfig(name="resnet50"))
     assert "\n" not in str(err.value)
+
+
+def test_cell_offset_follows_the_padding():
+    from captioner.encoder import cell_offset
+
+    assert cell_offset(32, same_padding=True) == pytest.approx(0.484375)
+    assert cell_offset(32, same_padding=False) == pytest.approx(-0.484375)
+    assert build_encoder(EncoderConfig(name="random", image_size=64)).cell_offset < 0
+

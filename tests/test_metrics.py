@@ -133,3 +133,15 @@ def test_grounding_uses_the_image_size_not_the_grid():
     assert grounding_score([]).words == 0
     with pytest.raises(ValueError, match="2 words"):
         grounding_score([GroundingSample(["red", "circle"], _map((0, 0))[None], SIZE, [RED_CIRCLE])])
+
+
+def test_grounding_uses_the_cells_true_centres():
+    """Peak in cell (0, 0) of a 2x2 grid on a 100 px image: its nominal centre (25, 25) is outside
+    a box at 40-90 px, but cells looking half a cell further down-right are centred at (50, 50)."""
+    from captioner.metrics import GroundingSample, grounding_score
+    from captioner.sources import Box
+
+    attention = np.array([[[1.0, 0.0], [0.0, 0.0]]])  # (T=1, 2, 2)
+    box = (Box("circle", 40, 40, 90, 90),)
+    assert grounding_score([GroundingSample(["circle"], attention, (100, 100), box)]).hit_rate == 0.0
+    assert grounding_score([GroundingSample(["circle"], attention, (100, 100), box, 0.5)]).hit_rate == 1.0

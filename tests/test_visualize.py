@@ -64,3 +64,15 @@ def test_plot_attention_rejects_mismatched_maps(tmp_path):
     caption.tokens = caption.tokens[:2]
     with pytest.raises(ValueError, match="2 words but 3"):
         plot_attention(_photo(), caption, tmp_path / "x.png")
+
+
+def test_upsample_moves_the_map_by_the_cell_offset():
+    from captioner.visualize import upsample
+
+    one_hot = np.zeros((4, 4), dtype=np.float32)
+    one_hot[1, 1] = 1.0  # nominal centre of cell (1, 1) at pixel 15 of 40 (cells of 10 px)
+    plain = upsample(one_hot, (40, 40))
+    moved = upsample(one_hot, (40, 40), offset=0.5)  # half a cell down and right
+    py, px = np.unravel_index(plain.argmax(), plain.shape)
+    my, mx = np.unravel_index(moved.argmax(), moved.shape)
+    assert (my - py, mx - px) == (5, 5)
