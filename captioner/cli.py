@@ -16,6 +16,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...")
 
 
+def _add_encoder_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encoder-weights", metavar="PATH",
+                   help="local state dict for the encoder (same as model.encoder.weights=PATH), e.g. for "
+                        "torchvision backbones on a machine that cannot download them")
+
+
+def _overrides(args) -> list[str]:
+    """The positional section.key=value overrides, plus those the named options stand for."""
+    extra = [f"model.encoder.weights={args.encoder_weights}"] if getattr(args, "encoder_weights", None) else []
+    return list(args.overrides) + extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="captioner", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -61,6 +73,7 @@ def _add_prepare(sub) -> None:
     p.add_argument("--out", default="runs/prepare", help="folder for vocab.json and (by default) cache/")
     p.add_argument("--image-root", help="folder holding the images, when not next to the caption file")
     p.add_argument("--batch-size", type=int, default=32, help="images per encoder batch")
+    _add_encoder_weights(p)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.min_word_count=5")
     p.set_defaults(func=_run_prepare)
 
@@ -72,7 +85,7 @@ def _run_prepare(args) -> int:
     from captioner.prepare import prepare
     from captioner.runtime import resolve_device
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, _overrides(args))
     data = dataclasses.replace(cfg.data, path=args.data) if args.data else cfg.data
     s = prepare(data, cfg.model.encoder, args.out, device=resolve_device(args.device), image_root=args.image_root,
                 batch_size=args.batch_size, progress=sys.stderr.isatty())
@@ -109,6 +122,7 @@ def _add_train(sub) -> None:
                                  "or the checkpoint's folder with --resume)")
     p.add_argument("--resume", metavar="RUN/last.pt",
                    help="continue a run exactly where its checkpoint left it (config from the checkpoint)")
+    _add_encoder_weights(p)
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. train.epochs=30")
     p.set_defaults(func=_run_train)
 
@@ -122,7 +136,7 @@ def _run_train(args) -> int:
     if args.resume and args.config:
         logging.getLogger(__name__).warning("--config %s ignored: a resumed run uses its checkpoint's config "
                                             "(change it with section.key=value overrides)", args.config)
-    cfg = run_config(args.config, args.overrides, resume=args.resume, data=args.data)
+    cfg = run_config(args.config, _overrides(args), resume=args.resume, data=args.data)
     if args.out:
         out = Path(args.out)
     elif args.resume:

@@ -157,6 +157,15 @@ def test_bad_config_key_is_one_line_and_exit_2(tiny, capsys):
     assert "train.epochs" in capsys.readouterr().err
 
 
+def test_encoder_weights_option_loads_the_named_file(tiny, tmp_path, capsys):
+    bad = tmp_path / "weights.pth"
+    bad.write_bytes(b"not a state dict")
+    argv = ["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--encoder-weights", str(bad)]
+    assert main(argv + ["model.encoder.name=resnet50"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "weights.pth" in err
+
+
 @pytest.mark.parametrize("n, batch, world",
                          [(160, 16, 1), (161, 16, 2), (33, 16, 2), (7, 2, 3), (5, 4, 4), (40, 64, 3)])
 @pytest.mark.parametrize("bucket", [0, 2])
