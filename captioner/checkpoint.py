@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
+    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since PyTorch 1.6
+        raise CheckpointError(f"{path}: not a readable checkpoint (not a PyTorch file)")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch.load raises many types on foreign bytes; all mean "not readable"
