@@ -325,13 +325,14 @@ def _print_evaluation(metrics: dict, grounding, meteor_note: str = "java not fou
 
 
 def _run_evaluate(args) -> int:
+    import dataclasses
     import json
     from pathlib import Path
 
     from captioner.checkpoint import load_checkpoint, restore_model
     from captioner.inference import Captioner, decode_config_from_meta, evaluate
     from captioner.runtime import resolve_device
-    from captioner.sources import load_records
+    from captioner.prepare import load_data_records
 
     overrides = _decode_overrides(args)
     if args.limit is not None and args.limit < 1:
@@ -339,8 +340,7 @@ def _run_evaluate(args) -> int:
     ckpt = load_checkpoint(args.checkpoint)
     data = _checkpoint_data_config(ckpt.meta, ckpt.train_state)
     path = args.data or data.path
-    records = load_records(path, args.image_root, data.val_fraction, data.test_fraction, data.split_seed,
-                           shapes_images=data.shapes_images, shapes_seed=data.shapes_seed)
+    records = load_data_records(dataclasses.replace(data, path=str(path)), args.image_root)
     chosen = [r for r in records if r.split == args.split][: args.limit]
     if not chosen:
         counts = ", ".join(f"{s} {sum(r.split == s for r in records)}" for s in ("train", "val", "test"))

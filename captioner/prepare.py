@@ -15,6 +15,7 @@ from captioner.cache import build_cache
 from captioner.config import DataConfig, EncoderConfig
 from captioner.encoder import build_encoder
 from captioner.errors import CaptionerError
+from captioner.shapes import default_root, generate_shapes
 from captioner.sources import SPLITS, Record, SourceError, load_records
 from captioner.vocab import Vocabulary, build_vocabulary
 
@@ -40,9 +41,12 @@ class PrepareSummary:
 
 def load_data_records(cfg: DataConfig, image_root: str | Path | None = None,
                       shapes_root: str | Path | None = None) -> list[Record]:
-    """`load_records` with the data section's settings."""
-    return load_records(cfg.path, image_root, cfg.val_fraction, cfg.test_fraction, cfg.split_seed,
-                        shapes_images=cfg.shapes_images, shapes_seed=cfg.shapes_seed, shapes_root=shapes_root)
+    """The records of the data section: `load_records` with its settings, or, for `path: shapes`,
+    the built-in set (generated once under `shapes_root`, default `$CAPTIONER_CACHE/shapes-<seed>-<n>`)."""
+    if str(cfg.path) == "shapes":
+        root = Path(shapes_root) if shapes_root else default_root(cfg.shapes_images, cfg.shapes_seed)
+        return generate_shapes(root, cfg.shapes_images, cfg.shapes_seed)
+    return load_records(cfg.path, image_root, cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
 
 
 def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, device: str | torch.device = "cpu",

@@ -69,26 +69,14 @@ def load_records(
     val_fraction: float = 0.1,
     test_fraction: float = 0.0,
     split_seed: int = 0,
-    *,
-    shapes_images: int = 1000,
-    shapes_seed: int = 0,
-    shapes_root: str | Path | None = None,
-    shapes_size: int = 224,
 ) -> list[Record]:
-    """Records of the data set at `path` (a folder or a caption file, layout detected), or the
-    built-in set when `path == "shapes"` (generated once under `shapes_root`, default
-    `$CAPTIONER_CACHE/shapes-<seed>-<n>`).
+    """Records of the data set at `path` (a folder or a caption file, layout detected). The
+    built-in `shapes` set is not a file: `captioner.prepare.load_data_records` handles it.
 
     `image_root` overrides where image files are looked for. `val_fraction`, `test_fraction`
     and `split_seed` are used only when the source has no split of its own.
     Raises SourceError (unknown layout, unparsable file, no images).
     """
-    if str(path) == "shapes":
-        # imported here because shapes.py builds on this module (Record, read_karpathy)
-        from captioner.shapes import default_root, generate_shapes
-
-        root = Path(shapes_root) if shapes_root else default_root(shapes_images, shapes_seed, shapes_size)
-        return generate_shapes(root, shapes_images, shapes_seed, shapes_size)
     path = Path(path).expanduser()
     if not path.exists():
         raise SourceError(f"{path}: no such file or folder (accepted: {LAYOUTS})")

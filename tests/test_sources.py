@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from captioner.config import DataConfig
+from captioner.prepare import load_data_records
 from captioner.sources import Record, SourceError, assign_splits, load_records, read_karpathy, split_records
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"
@@ -139,14 +141,15 @@ def test_unknown_layout_missing_path_and_empty_set(tmp_path):
 
 
 def test_shapes_source_is_generated_under_the_given_root(tmp_path):
-    records = load_records("shapes", shapes_images=20, shapes_seed=1, shapes_root=tmp_path / "s")
+    cfg = DataConfig(path="shapes", shapes_images=20, shapes_seed=1)
+    records = load_data_records(cfg, shapes_root=tmp_path / "s")
     assert len(records) == 20 and all(r.image.is_file() and r.boxes for r in records)
     assert {r.split for r in records} == {"train", "val", "test"}
 
 
 def test_shapes_default_root_follows_captioner_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path))
-    records = load_records("shapes", shapes_images=10, shapes_seed=2)
+    records = load_data_records(DataConfig(path="shapes", shapes_images=10, shapes_seed=2))
     assert records[0].image.parent.parent == tmp_path / "shapes-2-10"
 
 
