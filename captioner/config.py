@@ -84,7 +84,7 @@ class TrainConfig:
     val_metric: str = "CIDEr"
     patience: int = 5  # epochs (validations) without improvement before stopping; 0 = never stop early
     checkpoint_every_steps: int = 0  # also write last.pt every N steps (0 = at the end of each epoch only)
-    length_buckets: int = 0  # >0: batch captions of similar length within windows of N batches (less padding)
+    group_by_image: bool = True  # an image's captions share a batch: its grid is projected once for all of them
     log_every: int = 10
 
 

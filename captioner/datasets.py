@@ -34,10 +34,11 @@ class CaptionItem(NamedTuple):
 
 
 class Batch(NamedTuple):
-    inputs: Tensor  # (B, L, D) or (B, 3, S, S)
+    inputs: Tensor  # (N, L, D) or (N, 3, S, S): each distinct image of the batch once
     tokens: Tensor  # (B, T) int64, padded with pad_id to the longest caption
     lengths: Tensor  # (B,) int64: scored positions per caption = words + <end> = T_i - 1
     image_ids: Tensor  # (B,) int64
+    rows: Tensor  # (B,) int64: the row of `inputs` holding each caption's image
 
 
 class ImageItem(NamedTuple):
@@ -114,6 +115,11 @@ class CaptionDataset(_ImageInputs):
     def __len__(self) -> int:
         return len(self._image_of)
 
+    @property
+    def image_of(self) -> list[int]:
+        """The image_id of every item, in item order (an image's captions are consecutive items)."""
+        return self._image_of.tolist()
+
     def __getitem__(self, i: int) -> CaptionItem:
         image_id = int(self._image_of[i])
         tokens = torch.from_numpy(self._tokens[self._offsets[i]: self._offsets[i + 1]].copy())  # (T_i,)
@@ -135,15 +141,21 @@ class ImageDataset(_ImageInputs):
 
 
 def collate(batch: Sequence[CaptionItem], pad_id: int = 0) -> Batch:
-    """Stack inputs and pad captions to the longest in the batch. Pure."""
-    inputs = torch.stack([it.inputs for it in batch])  # (B, L, D) or (B, 3, S, S)
+    """Stack each distinct image's input once (captions of one image share it: the decoder projects
+    it once) and pad captions to the longest in the batch. Pure."""
+    first: dict[int, int] = {}  # image_id -> its row in inputs, in order of first appearance
+    for row, it in enumerate(batch):
+        first.setdefault(it.image_id, row)
+    inputs = torch.stack([batch[row].inputs for row in first.values()])  # (N, L, D) or (N, 3, S, S)
+    index = {image_id: n for n, image_id in enumerate(first)}
+    rows = torch.tensor([index[it.image_id] for it in batch], dtype=torch.long)  # (B,)
     sizes = [len(it.tokens) for it in batch]
     tokens = torch.full((len(batch), max(sizes)), pad_id, dtype=torch.long)  # (B, T)
     for row, it in enumerate(batch):
         tokens[row, : len(it.tokens)] = it.tokens
     lengths = torch.tensor(sizes, dtype=torch.long) - 1  # (B,) words + <end>
     image_ids = torch.tensor([it.image_id for it in batch], dtype=torch.long)  # (B,)
-    return Batch(inputs, tokens, lengths, image_ids)
+    return Batch(inputs, tokens, lengths, image_ids, rows)
 
 
 def collate_images(batch: Sequence[ImageItem]) -> ImageBatch:

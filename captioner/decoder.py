@@ -37,10 +37,15 @@ class Memory:
     keys: Tensor
     mask: Tensor | None = None
 
-    def repeat_interleave(self, k: int) -> "Memory":
-        """Each image's memory k times in a row: (B, ...) -> (B·k, ...), for beam search."""
-        mask = None if self.mask is None else self.mask.repeat_interleave(k, dim=0)
-        return Memory(self.features.repeat_interleave(k, dim=0), self.keys.repeat_interleave(k, dim=0), mask)
+    def select(self, rows: Tensor) -> "Memory":
+        """The memories of images `rows` (R,) int64, in that order: (B, ...) -> (R, ...). One image
+        may be selected many times (its captions in a training batch, its hypotheses in a beam)."""
+        mask = None if self.mask is None else self.mask[rows]
+        return Memory(self.features[rows], self.keys[rows], mask)
+
+    def head(self, n: int) -> "Memory":
+        """The first n rows (views, no copy)."""
+        return Memory(self.features[:n], self.keys[:n], None if self.mask is None else self.mask[:n])
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,23 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class DecoderOutput:
-    logits: Tensor  # (B, T, V)
-    alphas: Tensor  # (B, T, L)
+    """A teacher-forced pass over B captions, packed: only the P real positions (words + <end> of
+    every caption, no padding) are computed, in time-major order.
+
+    logits: (P, V); alphas: (P, L); caption: (P,) int64 index of the caption (0..B-1) and
+    step: (P,) int64 position t of each row, so row p predicts tokens[caption[p], step[p] + 1].
+    """
+
+    logits: Tensor
+    alphas: Tensor
+    caption: Tensor
+    step: Tensor
+
+    def padded(self, x: Tensor, batch: int, steps: int) -> Tensor:
+        """Packed (P, ...) -> (batch, steps, ...) with zeros at the padded positions."""
+        out = x.new_zeros(batch, steps, *x.shape[1:])
+        out[self.caption, self.step] = x
+        return out
 
 
 class AttentionDecoder(nn.Module):
@@ -138,41 +158,54 @@ class AttentionDecoder(nn.Module):
         return StepOutput(self._logits(hidden, context, emb), alpha, hidden)
 
     def forward(
-        self, features: Tensor, tokens: Tensor, mask: Tensor | None = None, sampling_prob: float = 0.0
+        self, features: Tensor, tokens: Tensor, lengths: Tensor, rows: Tensor | None = None,
+        mask: Tensor | None = None, sampling_prob: float = 0.0,
     ) -> DecoderOutput:
-        """Teacher-forced pass over padded captions.
+        """Teacher-forced pass over a batch of captions, packed (see `DecoderOutput`).
+
+        The region projection and the keys run once per image, however many of its captions the
+        batch holds. The captions are sorted longest first, so at step t the captions still going
+        are the first n_t rows and the step runs on those alone: padding costs nothing.
 
         Args:
-            features: (B, L, D_enc) encoder grid.
+            features: (N, L, D_enc) grids of the batch's N distinct images.
             tokens: (B, T + 1) `[<start>, w1..wn, <end>, <pad>...]`; the decoder reads tokens[:, :-1].
-            mask: optional (B, L) region mask, True on real regions.
+            lengths: (B,) scored positions per caption (words + <end>), at least 1.
+            rows: (B,) int64 row of `features` for each caption; None = caption b is image b.
+            mask: optional (N, L) region mask, True on real regions.
             sampling_prob: probability of feeding the model's own previous prediction instead of
                 the true word (scheduled sampling); 0 = pure teacher forcing.
-        Returns:
-            logits (B, T, V) predicting tokens[:, 1:], and alphas (B, T, L).
         """
-        memory = self.memory(features, mask)
-        hidden = self.init_hidden(memory)  # (B, H)
-        inputs = tokens[:, :-1]  # (B, T)
-        T = inputs.size(1)
-        emb_all = self.embedding(inputs)  # (B, T, E)
-        hiddens, contexts, alphas, step_logits = [], [], [], []
-        for t in range(T):
-            emb = emb_all[:, t]  # (B, E)
+        lengths = lengths.to(tokens.device)
+        rows = torch.arange(len(tokens), device=tokens.device) if rows is None else rows.to(tokens.device)
+        order = torch.argsort(lengths, descending=True, stable=True)  # (B,) longest caption first
+        sizes = (lengths[order].unsqueeze(1) > torch.arange(int(lengths.max()), device=lengths.device))
+        sizes = sizes.sum(0).tolist()  # n_t: captions still going at step t, non-increasing
+        image_memory = self.memory(features, mask)  # (N, L, D), (N, L, A): once per image
+        memory = image_memory.select(rows[order])  # (B, L, D), (B, L, A)
+        hidden = self.init_hidden(image_memory)[rows[order]]  # (B, H)
+        emb_all = self.embedding(tokens[order, : len(sizes)])  # (B, T, E)
+        hiddens, contexts, embs, step_logits = [], [], [], []
+        alphas = []
+        for t, n in enumerate(sizes):
+            emb = emb_all[:n, t]  # (n, E)
             if sampling_prob > 0.0 and t > 0:
-                own = step_logits[-1].argmax(dim=-1)  # (B,)
-                use_own = torch.rand(own.shape, device=own.device) < sampling_prob  # (B,)
+                own = step_logits[-1][:n].argmax(dim=-1)  # (n,)
+                use_own = torch.rand(own.shape, device=own.device) < sampling_prob  # (n,)
                 emb = torch.where(use_own.unsqueeze(-1), self.embedding(own), emb)
-            hidden, context, alpha = self._advance(emb, hidden, memory)
+            hidden, context, alpha = self._advance(emb, hidden[:n], memory.head(n))  # (n, H), (n, D), (n, L)
             if sampling_prob > 0.0:
-                step_logits.append(self._logits(hidden, context, emb))
+                step_logits.append(self._logits(hidden, context, emb))  # (n, V)
             else:
                 hiddens.append(hidden)
                 contexts.append(context)
+                embs.append(emb)
             alphas.append(alpha)
         if sampling_prob > 0.0:
-            logits = torch.stack(step_logits, dim=1)  # (B, T, V)
+            logits = torch.cat(step_logits)  # (P, V)
         else:
-            # One readout over all steps is a single large matmul instead of T small ones.
-            logits = self._logits(torch.stack(hiddens, 1), torch.stack(contexts, 1), emb_all)  # (B, T, V)
-        return DecoderOutput(logits, torch.stack(alphas, dim=1))  # (B, T, V), (B, T, L)
+            # One readout over all positions is a single large matmul instead of T small ones.
+            logits = self._logits(torch.cat(hiddens), torch.cat(contexts), torch.cat(embs))  # (P, V)
+        caption = torch.cat([order[:n] for n in sizes])  # (P,)
+        step = torch.cat([torch.full((n,), t, dtype=torch.long, device=order.device) for t, n in enumerate(sizes)])
+        return DecoderOutput(logits, torch.cat(alphas), caption, step)

@@ -5,8 +5,8 @@ LOCAL_RANK in the environment; `init_distributed` joins them (gloo on the CPU, n
 Without those variables everything here is a no-op for one process.
 
 The training order is a pure function of (seed, epoch, rank, world size, batch size): a
-permutation of the captions drawn from (seed, epoch), optionally bucketed by length, cut into
-global batches of `batch_size * world_size` that are dealt round-robin to the ranks. Nothing
+permutation of the captions drawn from (seed, epoch), optionally keeping each image's captions
+together, cut into global batches of `batch_size * world_size` that are shared out to the ranks. Nothing
 about the order lives in a sampler's hidden state, so a run resumed at (epoch, batch) continues
 on the very batch it stopped at, and the ranks together see every caption exactly once per epoch.
 The RNG states (`capture_rng` / `restore_rng`) are plain tensors and ints, so checkpoints holding
@@ -144,35 +144,47 @@ def mix_seed(*values: int) -> int:
 
 def epoch_batches(
     n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
-    lengths: Sequence[int] | None = None, bucket: int = 0,
+    groups: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """This rank's batches (lists of item indices) for `epoch`.
 
     A permutation of range(n) from (seed, epoch) is cut into global batches of
-    `batch_size * world_size`; global batch g gives rank r its items g[r::world_size]. A last
-    global batch too small to give every rank an item is merged into the one before, so every
-    rank takes the same number of steps (DDP needs that) and no item is dropped or repeated.
+    `batch_size * world_size`; each global batch is cut into `world_size` contiguous shares, one
+    per rank. A last global batch too small to give every rank an item is merged into the one
+    before, so every rank takes the same number of steps (DDP needs that) and no item is dropped
+    or repeated.
 
-    With `lengths` and `bucket > 0`, each window of `bucket` global batches of the permutation is
-    sorted by length before it is cut, and the batches are then shuffled: a batch holds captions
-    of similar length, so little of it is padding (fairseq / ESPnet style bucketing).
+    With `groups` (the group of each item: its image), the permutation is of the groups, and each
+    group's items follow one another: the five captions of an image land in one batch (and one
+    rank), which then encodes or projects that image once for all of them (`seq_per_img` in
+    neuraltalk2 and its descendants).
     """
     if n < world_size:
         raise CaptionerError(f"{n} training captions are too few for {world_size} processes")
     g = torch.Generator().manual_seed(mix_seed(seed, epoch))
-    order = torch.randperm(n, generator=g).tolist() if shuffle else list(range(n))
+    if not shuffle:
+        order = list(range(n))
+    elif groups is None:
+        order = torch.randperm(n, generator=g).tolist()
+    else:
+        members: dict[int, list[int]] = {}
+        for item, group in enumerate(groups):
+            members.setdefault(group, []).append(item)
+        keys = list(members)
+        order = [i for k in torch.randperm(len(keys), generator=g).tolist() for i in members[keys[k]]]
     per_step = batch_size * world_size
-    bucketed = shuffle and lengths is not None and bucket > 0
-    if bucketed:
-        span = per_step * bucket
-        order = [i for s in range(0, n, span) for i in sorted(order[s : s + span], key=lambda i: lengths[i])]
     chunks = [order[i : i + per_step] for i in range(0, n, per_step)]
     if len(chunks) > 1 and len(chunks[-1]) < world_size:
         last = chunks.pop()
         chunks[-1] = chunks[-1] + last
-    if bucketed:
-        chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()]
-    return [chunk[rank::world_size] for chunk in chunks]
+    return [_share(chunk, rank, world_size) for chunk in chunks]
+
+
+def _share(chunk: list[int], rank: int, world_size: int) -> list[int]:
+    """Rank `rank`'s contiguous share of a global batch (sizes differ by at most one)."""
+    size, extra = divmod(len(chunk), world_size)
+    start = rank * size + min(rank, extra)
+    return chunk[start : start + size + (rank < extra)]
 
 
 def steps_per_epoch(n: int, batch_size: int, world_size: int = 1) -> int:
@@ -192,10 +204,9 @@ class EpochBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, lengths: Sequence[int] | None = None, bucket: int = 0) -> None:
+                 shuffle: bool = True, groups: Sequence[int] | None = None) -> None:
         self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
-        self.lengths, self.bucket = lengths, bucket
+        self.rank, self.world_size, self.shuffle, self.groups = rank, world_size, shuffle, groups
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -203,7 +214,7 @@ class EpochBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = epoch_batches(self.n, self.batch_size, self.seed, self.epoch, self.rank, self.world_size,
-                                self.shuffle, self.lengths, self.bucket)
+                                self.shuffle, self.groups)
         yield from batches[self.start_batch:]
 
     def __len__(self) -> int:

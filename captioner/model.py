@@ -23,9 +23,11 @@ class CaptionModel(nn.Module):
         """(B, 3, S, S) normalised images -> (B, L, D) features."""
         return self.encoder(images)
 
-    def forward(self, images: Tensor, tokens: Tensor, sampling_prob: float = 0.0) -> DecoderOutput:
-        """Teacher-forced pass from pixels: logits (B, T, V), alphas (B, T, L)."""
-        return self.decoder(self.encode(images), tokens, sampling_prob=sampling_prob)
+    def forward(self, images: Tensor, tokens: Tensor, lengths: Tensor, rows: Tensor | None = None,
+                sampling_prob: float = 0.0) -> DecoderOutput:
+        """Teacher-forced pass from pixels: (N, 3, S, S) distinct images, (B, T + 1) tokens, (B,)
+        lengths, (B,) rows (each caption's image) -> the decoder's packed output."""
+        return self.decoder(self.encode(images), tokens, lengths, rows, sampling_prob=sampling_prob)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, pretrained: bool = True) -> CaptionModel:

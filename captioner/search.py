@@ -203,8 +203,9 @@ def beam_search(
     K = beam_size
     device = features.device
     memory = decoder.memory(features, mask)  # once per image: features (B, L, D), keys (B, L, A)
-    hidden = decoder.init_hidden(memory).repeat_interleave(K, dim=0)  # (B, H) -> (B·K, H)
-    memory = memory.repeat_interleave(K)  # (B·K, L, D), (B·K, L, A)
+    image_of_row = torch.arange(B, device=device).repeat_interleave(K)  # (B·K,): 0,0,..,1,1,..
+    hidden = decoder.init_hidden(memory)[image_of_row]  # (B, H) -> (B·K, H)
+    memory = memory.select(image_of_row)  # (B·K, L, D), (B·K, L, A)
     tokens = torch.full((B * K,), start_id, dtype=torch.long, device=device)  # (R,)
     scores = torch.full((B, K), NEG_INF, dtype=torch.float32, device=device)  # (B, K) summed log-probs
     scores[:, 0] = 0.0  # only beam 0 is live at the start: the K beams would be identical

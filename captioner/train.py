@@ -9,8 +9,9 @@
 With a frozen encoder and `data.use_cache`, every image's grid is computed once into the feature
 cache and the decoder trains from it (the five captions of an image share one stored grid);
 otherwise the encoder runs on every batch (fine-tuning its last stages with `train.encoder_lr`
-when `model.encoder.trainable_stages > 0`). With `train.length_buckets`, batches hold captions of
-similar length, so little of each step is spent on padding.
+when `model.encoder.trainable_stages > 0`). With `train.group_by_image` (the default) an image's
+captions share a batch, so its grid is encoded (or projected) once for all of them; the decoder
+computes only real positions, so padding costs nothing either way.
 
 Exact resume. `last.pt` is written at the end of every epoch and every
 `train.checkpoint_every_steps` steps; it holds the optimiser, scheduler and scaler states, the
@@ -56,6 +57,7 @@ from captioner.config import (
     to_dict,
 )
 from captioner.datasets import Batch, CaptionDataset, ImageDataset, collate, collate_images
+from captioner.decoder import DecoderOutput
 from captioner.distributed import (
     DistInfo,
     EpochBatchSampler,
@@ -82,12 +84,12 @@ from captioner.prepare import load_data_records
 from captioner.runtime import resolve_device, seed_everything
 from captioner.search import decode
 from captioner.sources import Record, split_records
-from captioner.vocab import Vocabulary, build_vocabulary, tokenize
+from captioner.vocab import Vocabulary, build_vocabulary
 
 log = logging.getLogger(__name__)
 
 LAST, BEST, METRICS, CONFIG = "last.pt", "best.pt", "metrics.jsonl", "config.yaml"
-Criterion = Callable[[Tensor, Tensor, Tensor, Tensor], LossOutput]
+Criterion = Callable[[DecoderOutput, Tensor], LossOutput]  # (packed output, (B, T + 1) tokens) -> loss
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -282,14 +284,6 @@ def build_datasets_for(data: DataConfig, seed: int, batch_size: int, encoder: En
     return train_set, ImageDataset(val_records, transform=encoder.transform(train=False)), False
 
 
-def caption_lengths(dataset: Dataset, max_length: int) -> list[int]:
-    """Tokens of every item of a CaptionDataset, in item order (for length bucketing)."""
-    base = dataset.dataset if isinstance(dataset, SeededItems) else dataset
-    lengths = [min(len(tokenize(c)), max_length) + 2 for r in base.records for c in r.captions]
-    assert len(lengths) == len(base), "CaptionDataset items are (image, caption) pairs in record order"
-    return lengths
-
-
 def build_optimizer(model: CaptionModel, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Adam(W) over the decoder (`train.lr`) and any fine-tuned encoder stages (`train.encoder_lr`)."""
     groups = [{"params": list(model.decoder.parameters()), "lr": cfg.lr}]
@@ -344,9 +338,9 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
     if dist.enabled:
         net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
-    lengths = caption_lengths(train_set, cfg.data.max_length) if tc.length_buckets > 0 else None
-    sampler = EpochBatchSampler(n_train, tc.batch_size, tc.seed, dist.rank, dist.world_size, lengths=lengths,
-                                bucket=tc.length_buckets)
+    captions = train_set.dataset if isinstance(train_set, SeededItems) else train_set
+    sampler = EpochBatchSampler(n_train, tc.batch_size, tc.seed, dist.rank, dist.world_size,
+                                groups=captions.image_of if tc.group_by_image else None)
     val_share = Subset(val_set, range(dist.rank, len(val_set), dist.world_size))
     val_loader = DataLoader(val_share, batch_size=tc.batch_size, collate_fn=collate_images,
                             num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
@@ -438,12 +432,13 @@ def train_step(net: nn.Module, criterion: Criterion, optimizer: torch.optim.Opti
                device: torch.device, amp_dtype: torch.dtype | None = None, sampling_prob: float = 0.0,
                grad_clip: float = 0.0) -> LossOutput:
     """One optimiser step on a batch; returns the (detached) loss terms."""
-    inputs = batch.inputs.to(device, non_blocking=True)  # (B, L, D) features or (B, 3, S, S) images
+    inputs = batch.inputs.to(device, non_blocking=True)  # (N, L, D) features or (N, 3, S, S) images
     tokens = batch.tokens.to(device, non_blocking=True)  # (B, T + 1)
     lengths = batch.lengths.to(device, non_blocking=True)  # (B,)
+    rows = batch.rows.to(device, non_blocking=True)  # (B,) each caption's image
     with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        out = net(inputs, tokens, sampling_prob=sampling_prob)  # logits (B, T, V), alphas (B, T, L)
-        loss = criterion(out.logits, tokens[:, 1:], lengths, out.alphas)
+        out = net(inputs, tokens, lengths, rows, sampling_prob=sampling_prob)  # packed: logits (P, V), alphas (P, L)
+        loss = criterion(out, tokens)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss.total).backward()
     if grad_clip > 0:
@@ -535,7 +530,7 @@ def _data_order(run: Run) -> dict[str, int]:
     """What the data order depends on: a resume with other values cannot continue it exactly."""
     sm = run.sampler
     return {"captions": sm.n, "batch_size": sm.batch_size, "seed": sm.seed, "world_size": sm.world_size,
-            "length_buckets": sm.bucket if sm.lengths is not None else 0}
+            "group_by_image": sm.groups is not None}
 
 
 def _meta(run: Run) -> dict[str, Any]:

@@ -3,13 +3,16 @@
     python scripts/bench_train.py                       # one epoch of flickr8k-800 each way
     python scripts/bench_train.py --limit-images 200    # quicker: the first 200 training images
 
-Both ways train the same model (same initial weights, batch size, data order) for one epoch:
-  (a) cached:   the decoder trains from each image's stored grid (computed once, then memory-mapped);
-  (b) encoder:  every batch decodes the JPEGs, resizes them and runs the frozen encoder, as most
-                implementations do, then the same decoder step.
-Printed: captions/s of each and their ratio, tokens/s, peak RSS, the achieved GFLOP/s of (a)
-(FLOPs of one training step counted with FlopCounterMode: matmuls, convolutions) next to this
-machine's float32 matmul peak, and, with --amp, float32 vs bf16 autocast for the cached steps.
+Both ways train the same model (same initial weights, batch size) for one epoch:
+  (a) cached:   the decoder trains from each image's stored grid (computed once, then memory-mapped),
+                in captioner's training order: an image's captions share a batch, so its grid is
+                projected once for all of them (`train.group_by_image`);
+  (b) encoder:  every caption's JPEG is decoded, resized and run through the frozen encoder, in a
+                plain shuffled caption order, as most implementations do; then the same decoder step.
+A third row, (a) in (b)'s plain caption order, shows what the grouping contributes.
+Printed: captions/s of each and the ratio (a)/(b), tokens/s, peak RSS, the achieved GFLOP/s of (a)
+(FLOPs counted with FlopCounterMode over its first batches: matmuls, convolutions) next to this
+machine's matmul peak, and, with --amp, float32 vs bf16 autocast for the cached steps.
 The one-time cache build is timed separately.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import logging
 import resource
 import sys
@@ -36,7 +40,7 @@ from captioner.loss import caption_loss
 from captioner.model import build_model
 from captioner.prepare import load_data_records
 from captioner.sources import split_records
-from captioner.train import Meter, caption_lengths, resolve_amp, train_one_epoch, train_step
+from captioner.train import Meter, resolve_amp, train_one_epoch, train_step
 from captioner.vocab import build_vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,13 +75,17 @@ def one_epoch(model, loader, lr: float, alpha_reg: float, grad_clip: float, cach
     return meter
 
 
-def step_flops(model, batch, alpha_reg: float) -> int:
-    """FLOPs (matmul/conv) of one cached training step: forward and backward of the decoder."""
+def flops_per_caption(model, loader, alpha_reg: float, batches: int = 20) -> float:
+    """FLOPs (matmul/conv) per caption of cached training steps (decoder forward and backward),
+    counted over the loader's first `batches` batches."""
     decoder = copy.deepcopy(model.decoder)
+    captions = 0
     with FlopCounterMode(display=False) as counter:
-        out = decoder(batch.inputs, batch.tokens)
-        caption_loss(out.logits, batch.tokens[:, 1:], batch.lengths, out.alphas, alpha_reg).total.backward()
-    return counter.get_total_flops()
+        for batch in itertools.islice(loader, batches):
+            out = decoder(batch.inputs, batch.tokens, batch.lengths, batch.rows)
+            caption_loss(out, batch.tokens, alpha_reg).total.backward()
+            captions += len(batch.lengths)
+    return counter.get_total_flops() / captions
 
 
 def amp_compare(model, batches: list, lr: float, alpha_reg: float, repeats: int = 3) -> dict[str, float]:
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = model.encoder.grid
     print(f"data: {len(train_records)} training images of {args.data}; {enc.name} at {enc.image_size} px "
           f"(grid {grid[0]}x{grid[1]}, D {model.encoder.out_dim}); vocabulary {len(vocab)}; batch {batch_size}; "
-          f"autocast {amp_dtype or 'off (float32)'}; length buckets {cfg.train.length_buckets}; "
+          f"autocast {amp_dtype or 'off (float32)'}; "
           f"{torch.get_num_threads()} threads")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,10 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - tick
         print(f"cache build (once): {len(train_records) / build_s:.1f} images/s, {cache.nbytes / 2**20:.0f} MB")
 
-        def loader(dataset):
-            lengths = caption_lengths(dataset, cfg.data.max_length) if cfg.train.length_buckets else None
-            sampler = EpochBatchSampler(len(dataset), batch_size, seed=0, lengths=lengths,
-                                        bucket=cfg.train.length_buckets)
+        def loader(dataset, grouped: bool) -> DataLoader:
+            groups = dataset.image_of if grouped else None
+            sampler = EpochBatchSampler(len(dataset), batch_size, seed=0, groups=groups)
             return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=args.workers,
                               generator=torch.Generator().manual_seed(0))
 
@@ -149,32 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         image_set = CaptionDataset(train_records, vocab, cfg.data.max_length,
                                    transform=model.encoder.transform(train=False))
         tc = cfg.train
-        a = one_epoch(model, loader(cached_set), tc.lr, tc.alpha_reg, tc.grad_clip, cached=True, amp_dtype=amp_dtype)
-        b = one_epoch(model, loader(image_set), tc.lr, tc.alpha_reg, tc.grad_clip, cached=False, amp_dtype=amp_dtype)
-
-        # FLOPs scale with the padded steps (captions x the batch's longest caption); count one batch's
-        first = next(iter(loader(cached_set)))
-        flops_per_step = step_flops(model, first, tc.alpha_reg) / (len(first.lengths) * (first.tokens.size(1) - 1))
-        sampler = loader(cached_set).batch_sampler
-        lengths = caption_lengths(cached_set, cfg.data.max_length)
-        padded_steps = sum(len(bt) * (max(lengths[i] for i in bt) - 1) for bt in sampler)
+        a = one_epoch(model, loader(cached_set, tc.group_by_image), tc.lr, tc.alpha_reg, tc.grad_clip, cached=True,
+                      amp_dtype=amp_dtype)
+        a_plain = one_epoch(model, loader(cached_set, False), tc.lr, tc.alpha_reg, tc.grad_clip, cached=True,
+                            amp_dtype=amp_dtype)
+        b = one_epoch(model, loader(image_set, False), tc.lr, tc.alpha_reg, tc.grad_clip, cached=False,
+                      amp_dtype=amp_dtype)
+        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), tc.alpha_reg) * a.captions
         amp = None
         if args.amp:
-            batches = [collate([cached_set[i] for i in range(j, j + batch_size)])
-                       for j in range(0, 4 * batch_size, batch_size)]
+            batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 4))
             amp = amp_compare(model, batches, tc.lr, tc.alpha_reg)
 
     peak = matmul_peak()
     peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
-    rate_a, rate_b = a.captions / a.seconds, b.captions / b.seconds
-    flops = flops_per_step * padded_steps
+    rate_a, rate_a_plain, rate_b = (m.captions / m.seconds for m in (a, a_plain, b))
     achieved = flops / a.seconds / 1e9
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"(a) cached:   {a.captions} captions in {a.seconds:.1f} s = {rate_a:,.1f} captions/s, "
-          f"{a.tokens / a.seconds:,.0f} tokens/s")
-    print(f"(b) encoder:  {b.captions} captions in {b.seconds:.1f} s = {rate_b:,.1f} captions/s, "
-          f"{b.tokens / b.seconds:,.0f} tokens/s")
-    print(f"speed-up (a)/(b): {rate_a / rate_b:.1f}x")
+    rows = [("(a) cached, grouped by image", a), ("(a) cached, plain caption order", a_plain),
+            ("(b) encoder on every caption", b)]
+    print(f"{'way':34s} {'captions':>8s} {'seconds':>8s} {'captions/s':>11s} {'tokens/s':>9s}")
+    for name, m in rows:
+        print(f"{name:34s} {m.captions:8d} {m.seconds:8.1f} {m.captions / m.seconds:11,.1f} "
+              f"{m.tokens / m.seconds:9,.0f}")
+    print(f"speed-up (a)/(b): {rate_a / rate_b:.1f}x   (grouping alone: {rate_a / rate_a_plain:.2f}x)")
     print(f"(a) achieved: {achieved:.1f} GFLOP/s ({flops / a.captions / 1e6:.0f} MFLOP per caption, fwd+bwd, "
           f"matmuls only) vs fp32 matmul peak {peak:.1f} GFLOP/s ({100 * achieved / peak:.0f}%)"
           + (f", bf16 matmul peak {peak_bf16:.1f} GFLOP/s ({100 * achieved / peak_bf16:.0f}%)" if peak_bf16 else ""))

@@ -26,7 +26,8 @@ def test_round_trip_gives_identical_outputs(tmp_path):
     loaded, ckpt = load_model(path)
     assert ckpt.model_config == CFG and ckpt.vocab == VOCAB and ckpt.meta == {"note": "x"}
     with torch.no_grad():
-        expected, got = model(images, tokens), loaded(images, tokens)
+        lengths = torch.tensor([4, 2])
+        expected, got = model(images, tokens, lengths), loaded(images, tokens, lengths)
     assert torch.equal(expected.logits, got.logits) and torch.equal(expected.alphas, got.alphas)
     # Atomic write leaves no temporary files behind.
     assert [p.name for p in path.parent.iterdir()] == ["model.pt"]

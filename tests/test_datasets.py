@@ -75,6 +75,15 @@ def test_collate_pads_and_counts_scored_positions():
     assert ((batch.tokens[:, 1:] != 0).sum(1) == batch.lengths).all()
 
 
+def test_collate_stacks_each_image_once_for_all_its_captions():
+    items = [CaptionItem(torch.ones(4, 3) * image, torch.tensor([1, 5, 2]), image) for image in [7, 3, 7, 7, 3, 9]]
+    batch = collate(items)
+    assert batch.image_ids.tolist() == [7, 3, 7, 7, 3, 9]
+    assert batch.inputs.shape == (3, 4, 3)  # images 7, 3, 9
+    assert batch.rows.tolist() == [0, 1, 0, 0, 1, 2]
+    assert torch.equal(batch.inputs[batch.rows][:, 0, 0], batch.image_ids.float())  # every caption finds its image
+
+
 def test_dataloader_with_a_worker_over_the_cache(tmp_path, encoder):
     records = _records(tmp_path / "img", 4)
     cache = build_cache(records, encoder, tmp_path / "cache", progress=False).cache

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 
 import pytest
@@ -27,55 +28,63 @@ def _batch():
 @pytest.mark.parametrize("pooling", ["mean", "attention"])
 def test_shapes_no_nans_and_alpha_rows_sum_to_one(gate, pooling):
     dec = AttentionDecoder(V, D, dataclasses.replace(CFG, gate=gate, init_pooling=pooling), grid=GRID)
-    features, tokens, _ = _batch()
-    out = dec(features, tokens)
-    assert out.logits.shape == (B, 6, V) and out.alphas.shape == (B, 6, L)
+    features, tokens, lengths = _batch()
+    out = dec(features, tokens, lengths)
+    P = int(lengths.sum())  # only real positions are computed
+    assert out.logits.shape == (P, V) and out.alphas.shape == (P, L)
     assert torch.isfinite(out.logits).all()
-    torch.testing.assert_close(out.alphas.sum(-1), torch.ones(B, 6))
+    torch.testing.assert_close(out.alphas.sum(-1), torch.ones(P))
+    # time-major, longest caption first: step 0 of every caption, then step 1 of those still going...
+    assert out.step.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 4, 5]
+    assert out.caption.tolist()[:4] == [0, 2, 1, 3]
 
 
 def test_every_trainable_parameter_gets_a_gradient():
     dec = AttentionDecoder(V, D, dataclasses.replace(CFG, init_pooling="attention"), grid=GRID)
     features, tokens, lengths = _batch()
-    out = dec(features, tokens)
-    caption_loss(out.logits, tokens[:, 1:], lengths, out.alphas).total.backward()
+    caption_loss(dec(features, tokens, lengths), tokens).total.backward()
     for name, p in dec.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
 def test_teacher_forced_forward_equals_stepping():
     dec = AttentionDecoder(V, D, CFG, grid=GRID).eval()
-    features, tokens, _ = _batch()
-    out = dec(features, tokens)
+    features, tokens, lengths = _batch()
+    out = dec(features, tokens, lengths)
+    T = tokens.size(1) - 1
+    logits, alphas = out.padded(out.logits, B, T), out.padded(out.alphas, B, T)  # (B, T, V), (B, T, L)
     memory = dec.memory(features)
     hidden = dec.init_hidden(memory)
-    for t in range(tokens.size(1) - 1):
+    for t in range(T):
         step = dec.step(tokens[:, t], hidden, memory)
         hidden = step.hidden
-        torch.testing.assert_close(step.logits, out.logits[:, t])
-        torch.testing.assert_close(step.alpha, out.alphas[:, t])
+        going = lengths > t  # the packed pass computes only these
+        torch.testing.assert_close(step.logits[going], logits[going, t])
+        torch.testing.assert_close(step.alpha[going], alphas[going, t])
+        assert torch.all(logits[~going, t] == 0)
 
 
 def test_masked_regions_get_no_attention_and_do_not_change_outputs():
     dec = AttentionDecoder(V, D, dataclasses.replace(CFG, init_pooling="attention"), grid=GRID).eval()
-    features, tokens, _ = _batch()
+    features, tokens, lengths = _batch()
     mask = torch.ones(B, L, dtype=torch.bool)
     mask[:, 5:] = False
-    out = dec(features, tokens, mask=mask)
+    out = dec(features, tokens, lengths, mask=mask)
     assert torch.all(out.alphas[..., 5:] == 0)
     padded = features.clone()
     padded[:, 5:] = 99.0
-    torch.testing.assert_close(dec(padded, tokens, mask=mask).logits, out.logits)
+    torch.testing.assert_close(dec(padded, tokens, lengths, mask=mask).logits, out.logits)
 
 
 def test_scheduled_sampling_feeds_own_predictions():
     dec = AttentionDecoder(V, D, CFG, grid=GRID).eval()
-    features, tokens, _ = _batch()
-    teacher = dec(features, tokens).logits
+    features, tokens, lengths = _batch()
+    teacher = dec(features, tokens, lengths)
     torch.manual_seed(0)
-    own = dec(features, tokens, sampling_prob=1.0).logits
-    torch.testing.assert_close(own[:, 0], teacher[:, 0])  # the first step always reads <start>
-    assert not torch.allclose(own[:, 1:], teacher[:, 1:])
+    own = dec(features, tokens, lengths, sampling_prob=1.0)
+    first = teacher.step == 0
+    torch.testing.assert_close(own.logits[first], teacher.logits[first])  # the first step always reads <start>
+    assert not torch.allclose(own.logits[~first], teacher.logits[~first])
 
 
 def test_position_embeddings_let_attention_tell_identical_regions_apart():
@@ -83,16 +92,41 @@ def test_position_embeddings_let_attention_tell_identical_regions_apart():
     uniform; with it, regions differ and the context depends on where they are."""
     features = torch.randn(1, 1, D).expand(2, L, D)
     tokens = torch.tensor([[1, 5, 2], [1, 5, 2]])
+    lengths = torch.tensor([2, 2])
     flat = AttentionDecoder(V, D, dataclasses.replace(CFG, position=False)).eval()
-    torch.testing.assert_close(flat(features, tokens).alphas, torch.full((2, 2, L), 1.0 / L))
+    torch.testing.assert_close(flat(features, tokens, lengths).alphas, torch.full((4, L), 1.0 / L))
     placed = AttentionDecoder(V, D, CFG, grid=GRID).eval()
-    alphas = placed(features, tokens).alphas
-    assert alphas[0, 0].std() > 0
+    alphas = placed(features, tokens, lengths).alphas
+    assert alphas[0].std() > 0
     with pytest.raises(ValueError, match="3x3 grid"):
-        placed(torch.randn(1, 16, D), tokens[:1])
+        placed(torch.randn(1, 16, D), tokens[:1], lengths[:1])
 
 
 def test_feature_projection_happens_once_per_image():
     dec = AttentionDecoder(V, D, CFG, grid=GRID)
     memory = dec.memory(torch.randn(B, L, D))
     assert memory.features.shape == (B, L, CFG.feature_dim) and memory.keys.shape == (B, L, CFG.attention_dim)
+
+
+def test_captions_sharing_an_image_equal_captions_with_copies_of_it():
+    """rows: the batch's 4 captions read 2 distinct grids; the same as giving each caption its own
+    copy of the grid, in outputs and in gradients (the projection runs on 2 grids instead of 4)."""
+    torch.manual_seed(0)
+    features, tokens, lengths = _batch()
+    rows = torch.tensor([1, 0, 1, 0])
+    shared = AttentionDecoder(V, D, dataclasses.replace(CFG, init_pooling="attention"), grid=GRID)
+    copied = copy.deepcopy(shared)
+    a = shared(features[:2], tokens, lengths, rows=rows)
+    b = copied(features[rows], tokens, lengths)
+    torch.testing.assert_close(a.logits, b.logits)
+    caption_loss(a, tokens).total.backward()
+    caption_loss(b, tokens).total.backward()
+    for (name, p), q in zip(shared.named_parameters(), copied.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_trailing_padding_changes_nothing():
+    dec = AttentionDecoder(V, D, CFG, grid=GRID).eval()
+    features, tokens, lengths = _batch()
+    longer = torch.cat([tokens, torch.zeros(B, 5, dtype=torch.long)], dim=1)  # 5 more <pad> columns
+    torch.testing.assert_close(dec(features, longer, lengths).logits, dec(features, tokens, lengths).logits)

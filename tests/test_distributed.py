@@ -15,7 +15,7 @@ data: {path: shapes, shapes_images: 40}
 model:
   encoder: {name: random, image_size: 64}
   decoder: {embed_dim: 16, hidden_dim: 32, attention_dim: 16, dropout: 0.2}
-train: {epochs: 2, batch_size: 8, lr: 0.005, scheduled_sampling: 0.3, length_buckets: 2}
+train: {epochs: 2, batch_size: 8, lr: 0.005, scheduled_sampling: 0.3}
 decode: {beam_size: 2, max_length: 12}
 """
 

@@ -1,37 +1,52 @@
 import torch
 import torch.nn.functional as F
 
+from captioner.decoder import DecoderOutput
 from captioner.loss import caption_loss
 
 
-def test_padding_positions_do_not_count():
-    B, T, V, L = 2, 5, 7, 4
-    logits = torch.randn(B, T, V)
-    targets = torch.randint(0, V, (B, T))
-    lengths = torch.tensor([5, 2])
-    alphas = torch.full((B, T, L), 1.0 / L)
-    out = caption_loss(logits, targets, lengths, alphas, alpha_reg=0.0)
-    expected = F.cross_entropy(torch.cat([logits[0], logits[1, :2]]), torch.cat([targets[0], targets[1, :2]]))
-    torch.testing.assert_close(out.xent, expected)
-    # Garbage on padded positions changes nothing.
-    logits2 = logits.clone()
-    logits2[1, 2:] = 1e3
-    torch.testing.assert_close(caption_loss(logits2, targets, lengths, alphas, alpha_reg=0.0).total, out.total)
+def _packed(lengths: list[int], V: int, L: int, alphas=None) -> tuple[DecoderOutput, torch.Tensor, torch.Tensor]:
+    """A packed output for captions of `lengths` scored positions, with random logits; returns it,
+    the (B, T + 1) tokens and the padded (B, T, V) logits."""
+    B, T = len(lengths), max(lengths)
+    tokens = torch.randint(0, V, (B, T + 1))
+    caption = torch.tensor([b for t in range(T) for b in range(B) if lengths[b] > t])
+    step = torch.tensor([t for t in range(T) for b in range(B) if lengths[b] > t])
+    padded = torch.randn(B, T, V)
+    if alphas is None:
+        alphas = torch.full((len(caption), L), 1.0 / L)
+    return DecoderOutput(padded[caption, step], alphas, caption, step), tokens, padded
+
+
+def test_cross_entropy_is_over_the_real_tokens_only():
+    out, tokens, padded = _packed([5, 2], V=7, L=4)
+    loss = caption_loss(out, tokens, alpha_reg=0.0)
+    expected = F.cross_entropy(torch.cat([padded[0], padded[1, :2]]), torch.cat([tokens[0, 1:], tokens[1, 1:3]]))
+    torch.testing.assert_close(loss.xent, expected)
+    torch.testing.assert_close(loss.total, expected)
 
 
 def test_doubly_stochastic_regulariser():
-    B, T, V, L = 1, 4, 5, 4
-    logits, targets = torch.zeros(B, T, V), torch.zeros(B, T, dtype=torch.long)
-    lengths = torch.tensor([4])
+    L = 4
     # Each region looked at exactly once over the 4 steps: no penalty.
-    once = torch.eye(L).unsqueeze(0)
-    assert caption_loss(logits, targets, lengths, once).attention.item() == 0.0
+    out, tokens, _ = _packed([4], V=5, L=L, alphas=torch.eye(L))
+    assert caption_loss(out, tokens).attention.item() == 0.0
     # Always region 0: coverage (4, 0, 0, 0) -> (1-4)^2 + 3 * 1 = 12.
-    stuck = torch.zeros(B, T, L)
-    stuck[..., 0] = 1
-    out = caption_loss(logits, targets, lengths, stuck, alpha_reg=0.5)
-    assert out.attention.item() == 12.0
-    torch.testing.assert_close(out.total, out.xent + 6.0)
+    stuck = torch.zeros(4, L)
+    stuck[:, 0] = 1
+    out, tokens, _ = _packed([4], V=5, L=L, alphas=stuck)
+    loss = caption_loss(out, tokens, alpha_reg=0.5)
+    assert loss.attention.item() == 12.0
+    torch.testing.assert_close(loss.total, loss.xent + 6.0)
     # Padded regions are not penalised.
     region_mask = torch.tensor([[True, False, False, False]])
-    assert caption_loss(logits, targets, lengths, stuck, region_mask=region_mask).attention.item() == 9.0
+    assert caption_loss(out, tokens, region_mask=region_mask).attention.item() == 9.0
+
+
+def test_coverage_is_summed_per_caption():
+    """Two captions, each attending to its own region at every step: caption 0 (3 steps) covers
+    region 0 three times, caption 1 (1 step) region 1 once."""
+    alphas = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [1.0, 0, 0], [1.0, 0, 0]])  # time-major: c0 c1 c0 c0
+    out, tokens, _ = _packed([3, 1], V=5, L=3, alphas=alphas)
+    # caption 0: (1-3)^2 + 1 + 1 = 6; caption 1: 1 + 0 + 1 = 2; mean 4
+    assert caption_loss(out, tokens).attention.item() == 4.0

@@ -28,10 +28,10 @@ def _decoder(vocab_size: int = V, sharpen: float = 4.0, end_bias: float = 1.0) -
 def _teacher_forced(dec, features, tokens, finished):
     """Log-prob and attention of a caption, scored by the teacher-forced forward pass."""
     seq = torch.tensor([[START, *tokens, END]])  # (1, T + 1)
-    out = dec(features.unsqueeze(0), seq)
-    logp = torch.log_softmax(out.logits[0].float(), -1)  # (T, V)
+    out = dec(features.unsqueeze(0), seq, torch.tensor([seq.size(1) - 1]))  # one caption: packed = its T steps
+    logp = torch.log_softmax(out.logits.float(), -1)  # (T, V)
     steps = len(tokens) + int(finished)
-    return logp[torch.arange(steps), seq[0, 1 : steps + 1]].sum().item(), out.alphas[0, : len(tokens)]
+    return logp[torch.arange(steps), seq[0, 1 : steps + 1]].sum().item(), out.alphas[: len(tokens)]
 
 
 def test_length_penalty_is_pure_power():

@@ -116,7 +116,7 @@ def test_killed_run_resumes_to_the_same_weights(tiny, tmp_path):
 def test_stop_mid_epoch_then_resume_matches_a_full_run_and_overrides_extend_it(tiny, tmp_path):
     """The in-process stop hook at a mid-epoch step, with validation every 7 steps; then a finished run
     extended by `train.epochs=4`."""
-    overrides = ["model.decoder.init_pooling=attention", "train.val_every_steps=7", "train.length_buckets=2"]
+    overrides = ["model.decoder.init_pooling=attention", "train.val_every_steps=7", "train.group_by_image=false"]
     cfg = run_config(tiny, overrides)
     stopped = train(cfg, tmp_path / "run", "cpu", stop_after_steps=13)
     assert stopped.steps == 13
@@ -168,28 +168,33 @@ def test_encoder_weights_option_loads_the_named_file(tiny, tmp_path, capsys):
 
 @pytest.mark.parametrize("n, batch, world",
                          [(160, 16, 1), (161, 16, 2), (33, 16, 2), (7, 2, 3), (5, 4, 4), (40, 64, 3)])
-@pytest.mark.parametrize("bucket", [0, 2])
-def test_epoch_batches_cover_every_item_once_with_equal_steps_per_rank(n, batch, world, bucket):
-    lengths = [(i * 7) % 13 + 3 for i in range(n)]
+@pytest.mark.parametrize("grouped", [False, True])
+def test_epoch_batches_cover_every_item_once_with_equal_steps_per_rank(n, batch, world, grouped):
+    groups = [i // 5 for i in range(n)] if grouped else None
     for epoch in (0, 1):
-        per_rank = [epoch_batches(n, batch, 0, epoch, r, world, lengths=lengths, bucket=bucket) for r in range(world)]
+        per_rank = [epoch_batches(n, batch, 0, epoch, r, world, groups=groups) for r in range(world)]
         assert {len(b) for b in per_rank} == {steps_per_epoch(n, batch, world)}
         seen = sorted(i for batches in per_rank for b in batches for i in b)
         assert seen == list(range(n))
         assert all(len(b) >= 1 for batches in per_rank for b in batches)
-    assert epoch_batches(n, batch, 0, 0) != epoch_batches(n, batch, 0, 1)  # reshuffled every epoch
-    assert epoch_batches(n, batch, 0, 1) == epoch_batches(n, batch, 0, 1)
+    if n > 10:  # enough images for the two orders to differ
+        assert epoch_batches(n, batch, 0, 0, groups=groups) != epoch_batches(n, batch, 0, 1, groups=groups)
+    assert epoch_batches(n, batch, 0, 1, groups=groups) == epoch_batches(n, batch, 0, 1, groups=groups)
 
 
-def test_length_buckets_cut_padding():
-    lengths = [(i * 7919) % 20 + 3 for i in range(2000)]
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouping_keeps_an_images_captions_in_one_batch(world):
+    """5 captions per image, batches of 30 per rank: each batch holds its 6 images whole (a rank's
+    share is contiguous), where a plain shuffle scatters nearly every caption to its own image."""
+    groups = [i // 5 for i in range(3000)]
 
-    def padded(bucket):
-        batches = epoch_batches(2000, 32, 0, 0, lengths=lengths, bucket=bucket)
-        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    def images_per_batch(grouped):
+        batches = [b for r in range(world) for b in epoch_batches(3000, 30, 0, 0, r, world,
+                                                                   groups=groups if grouped else None)]
+        return sum(len({groups[i] for i in b}) for b in batches) / len(batches)
 
-    assert padded(50) < 0.75 * padded(0)
-    assert sum(lengths) <= padded(50)
+    assert images_per_batch(True) == 6
+    assert images_per_batch(False) > 25
 
 
 def test_schedules():
