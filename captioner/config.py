@@ -55,6 +55,9 @@ class DecoderConfig:
     position: bool = True  # add learned row + column embeddings to the regions, so attention can select by place
     gate: bool = True  # Show-Attend-Tell's beta = sigmoid(Linear(h)) on the context
     init_pooling: str = "mean"  # "mean" | "attention" | "none" (zeros): how the grid becomes the initial state
+    # "before": attend with the state from before the previous word was read (Show, Attend and Tell);
+    # "after": read it first, then attend with the new state, so the query knows the word just written
+    attend: str = "before"
 
 
 @dataclass(frozen=True)

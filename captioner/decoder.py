@@ -3,12 +3,19 @@
 Shapes: B batch, L = H'·W' regions, D feature width, T tokens, V vocabulary,
 E embedding width, H hidden width, A attention width.
 
-Per step t, with previous word y and state h:
+Per step t, with previous word y and state h (attend "before", the default):
     context, alpha = attention(keys, features, h)            # keys = W1·features, once per image
     context = sigmoid(Linear(h)) * context                   # the gate beta (optional)
     h' = GRUCell([embed(y); context], h)
     logits = Linear(dropout([h'; context; embed(y)]))        # deep output
 The initial state is tanh(Linear(pool(features))), pool = mean or attention pooling.
+
+With attend "after" the word is read before looking (the top-down order of Anderson et al. 2018),
+so the query knows which word was just written; the GRU reads the previous step's context c:
+    h' = GRUCell([embed(y); c], h)
+    context, alpha = attention(keys, features, h')           # gated by sigmoid(Linear(h'))
+    logits = Linear(dropout([h'; context; embed(y)]))
+and the state carried between steps is [h'; context] (B, H + D), c = 0 at the first step.
 
 Before all of this, once per image, the regions are projected from the encoder's width to
 `feature_dim` (ReLU(Linear)) and given learned row + column embeddings. CNN features say *what*
@@ -52,7 +59,7 @@ class Memory:
 class StepOutput:
     logits: Tensor  # (B, V)
     alpha: Tensor  # (B, L)
-    hidden: Tensor  # (B, H)
+    hidden: Tensor  # the new state: (B, H), or (B, H + D) [h; context] with attend "after"
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,8 @@ class AttentionDecoder(nn.Module):
         super().__init__()
         if cfg.init_pooling not in ("mean", "attention", "none"):
             raise ValueError(f"decoder.init_pooling must be 'mean', 'attention' or 'none', got {cfg.init_pooling!r}")
+        if cfg.attend not in ("before", "after"):
+            raise ValueError(f"decoder.attend must be 'before' or 'after', got {cfg.attend!r}")
         if cfg.position and grid is None:
             raise ValueError("decoder.position needs the encoder's grid (H', W')")
         D = cfg.feature_dim or feature_dim
@@ -111,6 +120,7 @@ class AttentionDecoder(nn.Module):
         self.init_pooling = cfg.init_pooling
         self.pool = AttentionPool(D, A) if cfg.init_pooling == "attention" else None
         self.init_h = nn.Linear(D, H)
+        self.attend_after = cfg.attend == "after"
         self.cell = nn.GRUCell(E + D, H)
         self.dropout = nn.Dropout(cfg.dropout)
         self.readout = nn.Linear(H + D + E, vocab_size)
@@ -130,32 +140,46 @@ class AttentionDecoder(nn.Module):
 
     def init_hidden(self, memory: Memory) -> Tensor:
         """Memory -> (B, H) initial state (zeros with init_pooling 'none': then everything the
-        decoder knows of the image comes through attention)."""
+        decoder knows of the image comes through attention); with attend "after", (B, H + D) with
+        a zero context."""
         if self.init_pooling == "none":
-            return memory.features.new_zeros(memory.features.size(0), self.init_h.out_features)  # (B, H)
-        if self.pool is None:
-            pooled = masked_mean(memory.features, memory.mask)  # (B, D)
+            hidden = memory.features.new_zeros(memory.features.size(0), self.init_h.out_features)  # (B, H)
         else:
-            pooled = self.pool(memory.features, memory.mask)  # (B, D)
-        return torch.tanh(self.init_h(pooled))  # (B, H)
+            if self.pool is None:
+                pooled = masked_mean(memory.features, memory.mask)  # (B, D)
+            else:
+                pooled = self.pool(memory.features, memory.mask)  # (B, D)
+            hidden = torch.tanh(self.init_h(pooled))  # (B, H)
+        if self.attend_after:
+            hidden = torch.cat([hidden, torch.zeros_like(memory.features[:, 0])], dim=-1)  # (B, H + D)
+        return hidden
 
-    def _advance(self, emb: Tensor, hidden: Tensor, memory: Memory) -> tuple[Tensor, Tensor, Tensor]:
-        """Attend with the old state, then update it. Returns new hidden (B, H), context (B, D), alpha (B, L)."""
+    def _advance(self, emb: Tensor, state: Tensor, memory: Memory) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Attend and update the state, in the order `attend` says. Returns the new state (B, H) or
+        (B, H + D), the new h (B, H) for the readout, context (B, D), alpha (B, L)."""
+        if self.attend_after:
+            hidden, previous = state.split([self.init_h.out_features, state.size(-1) - self.init_h.out_features], -1)
+            hidden = self.cell(torch.cat([emb, previous], dim=-1), hidden)  # (B, E + D) -> (B, H)
+        else:
+            hidden = state  # (B, H)
         context, alpha = self.attention(memory.keys, memory.features, hidden, memory.mask)
         if self.gate is not None:
             context = torch.sigmoid(self.gate(hidden)) * context  # (B, D)
+        if self.attend_after:
+            return torch.cat([hidden, context], dim=-1), hidden, context, alpha  # state (B, H + D)
         hidden = self.cell(torch.cat([emb, context], dim=-1), hidden)  # (B, E + D) -> (B, H)
-        return hidden, context, alpha
+        return hidden, hidden, context, alpha
 
     def _logits(self, hidden: Tensor, context: Tensor, emb: Tensor) -> Tensor:
         """Deep output over [h; context; embedding] (..., H + D + E) -> (..., V)."""
         return self.readout(self.dropout(torch.cat([hidden, context, emb], dim=-1)))
 
-    def step(self, tokens: Tensor, hidden: Tensor, memory: Memory) -> StepOutput:
-        """One step: previous words (B,), state (B, H) -> logits (B, V), alpha (B, L), new state (B, H)."""
+    def step(self, tokens: Tensor, state: Tensor, memory: Memory) -> StepOutput:
+        """One step: previous words (B,), state (B, H) or (B, H + D) (see `init_hidden`) ->
+        logits (B, V), alpha (B, L), the new state."""
         emb = self.embedding(tokens)  # (B, E)
-        hidden, context, alpha = self._advance(emb, hidden, memory)
-        return StepOutput(self._logits(hidden, context, emb), alpha, hidden)
+        state, hidden, context, alpha = self._advance(emb, state, memory)
+        return StepOutput(self._logits(hidden, context, emb), alpha, state)
 
     def forward(
         self, features: Tensor, tokens: Tensor, lengths: Tensor, rows: Tensor | None = None,
@@ -183,7 +207,7 @@ class AttentionDecoder(nn.Module):
         sizes = sizes.sum(0).tolist()  # n_t: captions still going at step t, non-increasing
         image_memory = self.memory(features, mask)  # (N, L, D), (N, L, A): once per image
         memory = image_memory.select(rows[order])  # (B, L, D), (B, L, A)
-        hidden = self.init_hidden(image_memory)[rows[order]]  # (B, H)
+        state = self.init_hidden(image_memory)[rows[order]]  # (B, H) or (B, H + D)
         emb_all = self.embedding(tokens[order, : len(sizes)])  # (B, T, E)
         hiddens, contexts, embs, step_logits = [], [], [], []
         alphas = []
@@ -193,7 +217,7 @@ class AttentionDecoder(nn.Module):
                 own = step_logits[-1][:n].argmax(dim=-1)  # (n,)
                 use_own = torch.rand(own.shape, device=own.device) < sampling_prob  # (n,)
                 emb = torch.where(use_own.unsqueeze(-1), self.embedding(own), emb)
-            hidden, context, alpha = self._advance(emb, hidden[:n], memory.head(n))  # (n, H), (n, D), (n, L)
+            state, hidden, context, alpha = self._advance(emb, state[:n], memory.head(n))  # h (n, H), (n, D), (n, L)
             if sampling_prob > 0.0:
                 step_logits.append(self._logits(hidden, context, emb))  # (n, V)
             else:

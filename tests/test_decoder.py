@@ -24,10 +24,11 @@ def _batch():
     return features, tokens, lengths
 
 
+@pytest.mark.parametrize("attend", ["before", "after"])
 @pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("pooling", ["mean", "attention"])
-def test_shapes_no_nans_and_alpha_rows_sum_to_one(gate, pooling):
-    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, gate=gate, init_pooling=pooling), grid=GRID)
+def test_shapes_no_nans_and_alpha_rows_sum_to_one(gate, pooling, attend):
+    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, gate=gate, init_pooling=pooling, attend=attend), grid=GRID)
     features, tokens, lengths = _batch()
     out = dec(features, tokens, lengths)
     P = int(lengths.sum())  # only real positions are computed
@@ -39,16 +40,18 @@ def test_shapes_no_nans_and_alpha_rows_sum_to_one(gate, pooling):
     assert out.caption.tolist()[:4] == [0, 2, 1, 3]
 
 
-def test_every_trainable_parameter_gets_a_gradient():
-    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, init_pooling="attention"), grid=GRID)
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_every_trainable_parameter_gets_a_gradient(attend):
+    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, init_pooling="attention", attend=attend), grid=GRID)
     features, tokens, lengths = _batch()
     caption_loss(dec(features, tokens, lengths), tokens).total.backward()
     for name, p in dec.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
-def test_teacher_forced_forward_equals_stepping():
-    dec = AttentionDecoder(V, D, CFG, grid=GRID).eval()
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_teacher_forced_forward_equals_stepping(attend):
+    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, attend=attend), grid=GRID).eval()
     features, tokens, lengths = _batch()
     out = dec(features, tokens, lengths)
     T = tokens.size(1) - 1
@@ -130,3 +133,20 @@ def test_trailing_padding_changes_nothing():
     features, tokens, lengths = _batch()
     longer = torch.cat([tokens, torch.zeros(B, 5, dtype=torch.long)], dim=1)  # 5 more <pad> columns
     torch.testing.assert_close(dec(features, longer, lengths).logits, dec(features, tokens, lengths).logits)
+
+
+def test_attend_after_queries_with_the_word_just_read():
+    """With attend "after" the first map already depends on the first word read (<start> vs another
+    word); with "before" it is made from the initial state alone."""
+    features = torch.randn(1, L, D).expand(2, L, D)
+    tokens = torch.tensor([[1, 5, 2], [7, 5, 2]])
+    lengths = torch.tensor([2, 2])
+    before = AttentionDecoder(V, D, CFG, grid=GRID).eval()
+    first = before(features, tokens, lengths).alphas[:2]  # step 0 of both captions
+    torch.testing.assert_close(first[0], first[1])
+    after = AttentionDecoder(V, D, dataclasses.replace(CFG, attend="after"), grid=GRID).eval()
+    first = after(features, tokens, lengths).alphas[:2]
+    assert not torch.allclose(first[0], first[1])
+    assert after.init_hidden(after.memory(features)).shape == (2, CFG.hidden_dim + CFG.feature_dim)
+    with pytest.raises(ValueError, match="decoder.attend"):
+        AttentionDecoder(V, D, dataclasses.replace(CFG, attend="later"), grid=GRID)

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import pytest
@@ -14,11 +15,11 @@ BANNED = (PAD, START, UNK)
 CFG = DecoderConfig(embed_dim=8, hidden_dim=12, attention_dim=10, dropout=0.0, feature_dim=0)
 
 
-def _decoder(vocab_size: int = V, sharpen: float = 4.0, end_bias: float = 1.0) -> AttentionDecoder:
+def _decoder(vocab_size: int = V, sharpen: float = 4.0, end_bias: float = 1.0, attend: str = "before") -> AttentionDecoder:
     """A random decoder whose word distributions are peaked enough to avoid near-ties, and whose
     <end> is likely enough that captions end after 0 to 10 words (or not at all): images of a
     batch finish at different steps."""
-    dec = AttentionDecoder(vocab_size, D, CFG, grid=(3, 3)).eval()
+    dec = AttentionDecoder(vocab_size, D, dataclasses.replace(CFG, attend=attend), grid=(3, 3)).eval()
     with torch.no_grad():
         dec.readout.weight.mul_(sharpen)
         dec.readout.bias[END] += end_bias
@@ -67,9 +68,10 @@ def test_batched_beam_equals_one_image_at_a_time(alpha, ngram):
     assert len(lengths) > 2 and (10, False) in lengths  # images leave the batch at different steps
 
 
-def test_scores_and_attention_match_the_teacher_forced_pass():
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_scores_and_attention_match_the_teacher_forced_pass(attend):
     """Each hypothesis carries its own attention history: gathering by the wrong beam would break this."""
-    dec, features = _decoder(), torch.randn(B, L, D)
+    dec, features = _decoder(attend=attend), torch.randn(B, L, D)
     for hyp, f in zip(beam_search(dec, features, 4, 10, START, END, BANNED, length_penalty=0.5), features):
         assert hyp.alphas.shape == (len(hyp.tokens), L)
         torch.testing.assert_close(hyp.alphas.sum(-1), torch.ones(len(hyp.tokens)))
