@@ -209,8 +209,7 @@ class AttentionDecoder(nn.Module):
         memory = image_memory.select(rows[order])  # (B, L, D), (B, L, A)
         state = self.init_hidden(image_memory)[rows[order]]  # (B, H) or (B, H + D)
         emb_all = self.embedding(tokens[order, : len(sizes)])  # (B, T, E)
-        hiddens, contexts, embs, step_logits = [], [], [], []
-        alphas = []
+        hiddens, contexts, embs, alphas, step_logits = [], [], [], [], []
         for t, n in enumerate(sizes):
             emb = emb_all[:n, t]  # (n, E)
             if sampling_prob > 0.0 and t > 0:
