@@ -264,3 +264,14 @@ class SeededItems(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(mix_seed(self.seed, self.epoch, i))
             return self.dataset[i]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A batch through the dataset's own `__getitems__` when it has one (which may share one
+        augmented image between items), seeded from (seed, epoch, first index): the batches of an
+        epoch are fixed by the sampler, so a resumed run still gets the same augmentation."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is None:
+            return [self[i] for i in indices]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(mix_seed(self.seed, self.epoch, indices[0]))
+            return getitems(indices)

@@ -61,6 +61,25 @@ def test_image_dataset_without_cache_returns_transformed_images(tmp_path, encode
     assert batch.inputs.shape == (2, 3, 64, 64) and batch.image_ids.tolist() == [0, 2]
 
 
+def test_a_batch_reads_each_image_once_and_matches_item_by_item(tmp_path, encoder, monkeypatch):
+    records = _records(tmp_path / "img", 3)
+    vocab = build_vocabulary(c for r in records for c in r.captions)
+    ds = CaptionDataset(records, vocab, cache=None, transform=encoder.transform(train=False))
+    reads = []
+    load = ds.load_input
+    monkeypatch.setattr(ds, "load_input", lambda image_id: reads.append(image_id) or load(image_id))
+    indices = [10, 0, 3, 11, 4, 5]  # images 2, 0, 0, 2, 0, 1
+    items = ds.__getitems__(indices)
+    assert sorted(reads) == [0, 1, 2]  # one JPEG decode per image, not one per caption
+    for i, it in zip(indices, items):
+        assert it.image_id == ds[i].image_id and torch.equal(it.tokens, ds[i].tokens)
+        assert torch.equal(it.inputs, ds[i].inputs)
+    loader = DataLoader(ds, batch_sampler=[indices], collate_fn=collate)  # the loader takes this path
+    reads.clear()
+    batch = next(iter(loader))
+    assert sorted(reads) == [0, 1, 2] and batch.inputs.shape[0] == 3 and batch.rows.tolist() == [0, 1, 1, 0, 1, 2]
+
+
 def test_collate_pads_and_counts_scored_positions():
     items = [CaptionItem(torch.ones(4, 3) * k, torch.tensor(ids), k)
              for k, ids in enumerate([[1, 5, 6, 2], [1, 7, 2], [1, 2]])]

@@ -14,7 +14,7 @@ import torch
 from captioner.checkpoint import load_checkpoint, load_model
 from captioner.cli import main
 from captioner.config import DecodeConfig
-from captioner.distributed import capture_rng, epoch_batches, restore_rng, steps_per_epoch
+from captioner.distributed import SeededItems, capture_rng, epoch_batches, restore_rng, steps_per_epoch
 from captioner.encoder import build_encoder
 from captioner.search import decode
 from captioner.train import lr_factor, run_config, sampling_probability, train
@@ -216,3 +216,30 @@ def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected[0])
     assert (random.random(), np.random.rand()) == expected[1:]
+
+
+def test_seeded_items_give_a_batch_the_same_augmentation_whenever_it_is_loaded():
+    class Noisy(torch.utils.data.Dataset):
+        """Stands in for a dataset with random augmentation: one random draw per distinct image."""
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return torch.rand(2)
+
+        def __getitems__(self, indices):
+            drawn = {i // 5: torch.rand(2) for i in indices}  # items 0-4 are image 0, 5-9 image 1
+            return [drawn[i // 5] for i in indices]
+
+    items = SeededItems(Noisy(), seed=3)
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    first = items.__getitems__([0, 1, 5])
+    assert torch.equal(torch.rand(1), before)  # the caller's RNG did not move
+    assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])  # the dataset's sharing kept
+    again = items.__getitems__([0, 1, 5])
+    assert all(torch.equal(a, b) for a, b in zip(first, again))  # a resumed run sees the same crops
+    items.set_epoch(1)
+    assert not torch.equal(items.__getitems__([0, 1, 5])[0], first[0])  # a new epoch, new crops
