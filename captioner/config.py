@@ -78,6 +78,7 @@ class TrainConfig:
     schedule: str = "cosine"  # "cosine" | "constant"
     warmup_steps: int = 0
     alpha_reg: float = 1.0  # doubly stochastic attention regulariser weight
+    entropy_reg: float = 0.0  # attention entropy penalty weight: sharper maps, one object per look
     label_smoothing: float = 0.0
     scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
     amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"

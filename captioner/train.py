@@ -111,16 +111,18 @@ class TrainState:
 class Meter:
     """Running sums of the training loss since the last metrics line (kept on the device: no sync per step)."""
 
+    TERMS = len(LossOutput._fields)  # total, xent, attention, entropy
+
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.sums: Tensor | None = None  # (3,) caption-weighted total, xent, attention
+        self.sums: Tensor | None = None  # (TERMS,) caption-weighted loss terms
         self.captions = self.tokens = self.steps = 0
         self.seconds = 0.0
 
     def add(self, loss: LossOutput, captions: int, tokens: int, seconds: float) -> None:
-        values = torch.stack([loss.total, loss.xent, loss.attention]).detach().float() * captions  # (3,)
+        values = torch.stack(list(loss)).detach().float() * captions  # (TERMS,)
         self.sums = values if self.sums is None else self.sums + values
         self.captions += captions
         self.tokens += tokens
@@ -128,14 +130,17 @@ class Meter:
         self.seconds += seconds
 
     def totals(self) -> list[float]:
-        """[total, xent, attention sums, captions, tokens, steps, seconds] as floats."""
-        sums = self.sums.tolist() if self.sums is not None else [0.0, 0.0, 0.0]
+        """[the TERMS loss sums, captions, tokens, steps, seconds] as floats."""
+        sums = self.sums.tolist() if self.sums is not None else [0.0] * self.TERMS
         return [*sums, float(self.captions), float(self.tokens), float(self.steps), self.seconds]
 
     def load(self, totals: list[float]) -> None:
-        self.sums = torch.tensor(totals[:3], dtype=torch.float32) if totals[3] else None
-        self.captions, self.tokens, self.steps = int(totals[3]), int(totals[4]), int(totals[5])
-        self.seconds = float(totals[6])
+        k = self.TERMS
+        if len(totals) == k + 3:  # written before the entropy term existed
+            totals = [*totals[: k - 1], 0.0, *totals[k - 1:]]
+        self.sums = torch.tensor(totals[:k], dtype=torch.float32) if totals[k] else None
+        self.captions, self.tokens, self.steps = int(totals[k]), int(totals[k + 1]), int(totals[k + 2])
+        self.seconds = float(totals[k + 3])
 
 
 @dataclass
@@ -247,6 +252,9 @@ def check_train_config(cfg: TrainConfig) -> None:
             raise ConfigError(f"train.{key}={getattr(cfg, key)}: must be at least 1")
     if not 0.0 <= cfg.scheduled_sampling <= 1.0:
         raise ConfigError(f"train.scheduled_sampling={cfg.scheduled_sampling}: must be in [0, 1]")
+    for key in ("alpha_reg", "entropy_reg", "label_smoothing"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(cfg, key)}: must not be negative")
 
 
 # --- setup ------------------------------------------------------------------------------------
@@ -291,7 +299,11 @@ def build_optimizer(model: CaptionModel, cfg: TrainConfig) -> torch.optim.Optimi
     if encoder_params:
         groups.append({"params": encoder_params, "lr": cfg.encoder_lr})
     opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return opt_cls(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    # One fused kernel per step instead of ~10 elementwise passes per tensor: a decoder step on the
+    # CPU spends ~8% of its time in the optimiser otherwise.
+    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return opt_cls(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
 def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | None = None,
@@ -563,7 +575,7 @@ def validate(run: Run) -> bool:
     """Score the validation images, keep `best.pt`, write the metrics line. Returns True when
     early stopping says stop. Collective."""
     tc, st = run.cfg.train, run.state
-    loss_sum, xent_sum, att_sum, n, tokens, _, seconds = all_reduce_sum(run.meter.totals())
+    loss_sum, xent_sum, att_sum, ent_sum, n, tokens, _, seconds = all_reduce_sum(run.meter.totals())
     if not math.isfinite(loss_sum):
         raise CaptionerError(f"the training loss is not finite at step {st.step} (diverged): lower train.lr, "
                              f"keep train.grad_clip > 0, or resume from an earlier checkpoint")
@@ -586,6 +598,7 @@ def validate(run: Run) -> bool:
     line = {
         "epoch": round(st.epoch + st.batch / run.steps_per_epoch, 4), "step": st.step,
         "loss": loss_sum / max(n, 1), "xent": xent_sum / max(n, 1), "attention": att_sum / max(n, 1),
+        "entropy": ent_sum / max(n, 1),
         **{f"val_{k}": v for k, v in metrics.items()},
         "lr": run.optimizer.param_groups[0]["lr"], "seconds": round(seconds, 2), "val_seconds": round(val_seconds, 2),
         "captions_per_s": round(n / max(seconds, 1e-9), 1), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
@@ -612,7 +625,8 @@ def fit(run: Run, stop_after_steps: int | None = None) -> TrainResult:
     """The training loop from wherever `run.state` stands. `stop_after_steps` ends the run (with a
     checkpoint) once that many steps are done in total: a hook for tests and smoke runs."""
     tc, st = run.cfg.train, run.state
-    criterion = functools.partial(caption_loss, alpha_reg=tc.alpha_reg, label_smoothing=tc.label_smoothing)
+    criterion = functools.partial(caption_loss, alpha_reg=tc.alpha_reg, label_smoothing=tc.label_smoothing,
+                                  entropy_reg=tc.entropy_reg)
     per_epoch = run.steps_per_epoch
     stop = tc.patience > 0 and st.bad_validations >= tc.patience  # resumed after an early stop
     early = stop

@@ -1,3 +1,6 @@
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -50,3 +53,25 @@ def test_coverage_is_summed_per_caption():
     out, tokens, _ = _packed([3, 1], V=5, L=3, alphas=alphas)
     # caption 0: (1-3)^2 + 1 + 1 = 6; caption 1: 1 + 0 + 1 = 2; mean 4
     assert caption_loss(out, tokens).attention.item() == 4.0
+
+
+def test_entropy_penalty_is_the_mean_entropy_of_the_maps():
+    L = 4
+    out, tokens, _ = _packed([3], V=5, L=L)  # every map 1/L everywhere: entropy ln L
+    loss = caption_loss(out, tokens, alpha_reg=0.0, entropy_reg=0.5)
+    torch.testing.assert_close(loss.entropy, torch.tensor(math.log(L)))
+    torch.testing.assert_close(loss.total, loss.xent + 0.5 * math.log(L))
+    assert caption_loss(out, tokens, alpha_reg=0.0).total == loss.xent  # off by default
+
+
+def test_entropy_of_sharp_and_masked_maps_has_a_finite_gradient():
+    """Masked regions get exactly 0 weight from the softmax; 0 log 0 must count as 0 and not poison the gradient."""
+    scores = torch.tensor([[5.0, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 9]], requires_grad=True)
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False], [False, False, True, True]])
+    alphas = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (3, 4) with exact zeros
+    out, tokens, _ = _packed([3], V=5, L=4, alphas=alphas)
+    loss = caption_loss(out, tokens, entropy_reg=1.0)
+    expected = -sum(float(a * a.log()) for a in alphas.detach()[mask]) / 3
+    assert loss.entropy.item() == pytest.approx(expected, rel=1e-5)
+    loss.total.backward()
+    assert torch.isfinite(scores.grad).all() and (scores.grad[~mask] == 0).all()
