@@ -2,9 +2,9 @@
 
 Shapes: B batch, L = H'·W' regions, D feature width, H decoder hidden width, A attention width.
 
-`e = v · tanh(W1 · features + W2 · h)`, alpha = softmax(e). The keys `W1 · features` do not depend on the decoder
-state, so they are computed once per image (`keys`) and reused at every step; recomputing them
-per step is most of the attention's cost in the common implementations.
+`e = v · tanh(W1 · features + W2 · h)`, alpha = softmax(e). The keys `W1 · features` do not
+depend on the decoder state, so they are computed once per image (`keys`) and reused at every
+step; recomputing them per step is most of the attention's cost in the common implementations.
 """
 from __future__ import annotations
 

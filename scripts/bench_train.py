@@ -33,14 +33,14 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.cache import build_cache
-from captioner.config import load_config
+from captioner.config import TrainConfig, load_config
 from captioner.datasets import CaptionDataset, collate
 from captioner.distributed import EpochBatchSampler
 from captioner.loss import caption_loss
 from captioner.model import build_model
 from captioner.prepare import load_data_records
 from captioner.sources import split_records
-from captioner.train import Meter, resolve_amp, train_one_epoch, train_step
+from captioner.train import Meter, build_optimizer, resolve_amp, train_one_epoch, train_step
 from captioner.vocab import build_vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,19 +58,20 @@ def matmul_peak(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32
     return 2 * n**3 / best / 1e9
 
 
-def one_epoch(model, loader, lr: float, alpha_reg: float, grad_clip: float, cached: bool,
-              amp_dtype: torch.dtype | None = None) -> Meter:
-    """Train a copy of `model` for one pass over `loader`; the meter holds captions, tokens, seconds."""
+def one_epoch(model, loader, tc: TrainConfig, cached: bool, amp_dtype: torch.dtype | None = None) -> Meter:
+    """Train a copy of `model` for one pass over `loader` with the optimiser and loss `captioner
+    train` builds from `tc`; the meter holds captions, tokens, seconds."""
     model = copy.deepcopy(model)
     net = model.decoder if cached else model
-    optimizer = torch.optim.AdamW(model.decoder.parameters(), lr=lr)
+    optimizer = build_optimizer(model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    criterion = functools.partial(caption_loss, alpha_reg=alpha_reg)
+    criterion = functools.partial(caption_loss, alpha_reg=tc.alpha_reg, label_smoothing=tc.label_smoothing,
+                                  entropy_reg=tc.entropy_reg)
     meter = Meter()
     torch.manual_seed(0)
     train_one_epoch(net, criterion, optimizer, scheduler, scaler, loader, torch.device("cpu"), meter,
-                    amp_dtype=amp_dtype, grad_clip=grad_clip, progress=sys.stderr.isatty(),
+                    amp_dtype=amp_dtype, grad_clip=tc.grad_clip, progress=sys.stderr.isatty(),
                     desc="cached" if cached else "encoder")
     return meter
 
@@ -94,7 +95,7 @@ def amp_compare(model, batches: list, lr: float, alpha_reg: float, repeats: int 
     for _ in range(repeats):
         for name, dtype in (("float32", None), ("bf16", torch.bfloat16)):
             decoder = copy.deepcopy(model.decoder).train()
-            optimizer = torch.optim.AdamW(decoder.parameters(), lr=lr)
+            optimizer = torch.optim.AdamW(decoder.parameters(), lr=lr, fused=True)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             scaler = torch.amp.GradScaler("cpu", enabled=False)
             criterion = functools.partial(caption_loss, alpha_reg=alpha_reg)
@@ -156,12 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         image_set = CaptionDataset(train_records, vocab, cfg.data.max_length,
                                    transform=model.encoder.transform(train=False))
         tc = cfg.train
-        a = one_epoch(model, loader(cached_set, tc.group_by_image), tc.lr, tc.alpha_reg, tc.grad_clip, cached=True,
-                      amp_dtype=amp_dtype)
-        a_plain = one_epoch(model, loader(cached_set, False), tc.lr, tc.alpha_reg, tc.grad_clip, cached=True,
-                            amp_dtype=amp_dtype)
-        b = one_epoch(model, loader(image_set, False), tc.lr, tc.alpha_reg, tc.grad_clip, cached=False,
-                      amp_dtype=amp_dtype)
+        a = one_epoch(model, loader(cached_set, tc.group_by_image), tc, cached=True, amp_dtype=amp_dtype)
+        a_plain = one_epoch(model, loader(cached_set, False), tc, cached=True, amp_dtype=amp_dtype)
+        b = one_epoch(model, loader(image_set, False), tc, cached=False, amp_dtype=amp_dtype)
         flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), tc.alpha_reg) * a.captions
         amp = None
         if args.amp:
