@@ -6,6 +6,7 @@ take the sub-config (or plain arguments) they need, never the whole `Config`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Any, Union
 import yaml
 
 from captioner.errors import CaptionerError
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(CaptionerError):
@@ -167,6 +170,24 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     raise ConfigError(f"config key '{path}': expected {name}, got {value!r} ({type(value).__name__})")
 
 
+# Keys that existed once and do nothing now: a config file or a resumed run's saved config that
+# still sets one loads with a warning instead of failing as an unknown key.
+RETIRED_KEYS: dict[tuple[str, str], str] = {
+    ("train", "length_buckets"): "the packed teacher-forced pass never computes padding",
+}
+
+
+def parse_config(data: dict[str, Any]) -> Config:
+    """Nested dicts (a YAML file's, a checkpoint's) -> Config, dropping RETIRED_KEYS with a warning."""
+    data = _deep_copy(data)
+    for (section, key), why in RETIRED_KEYS.items():
+        node = data.get(section)
+        if isinstance(node, dict) and key in node:
+            del node[key]
+            log.warning("config key '%s.%s' is no longer used (%s); ignored", section, key, why)
+    return from_dict(Config, data)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `section.key=value` strings (value parsed as YAML) to nested dicts; returns a new dict."""
     data = _deep_copy(data)
@@ -207,6 +228,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
     data = apply_overrides(data, overrides or [])
     try:
-        return from_dict(Config, data)
+        return parse_config(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None

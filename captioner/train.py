@@ -52,8 +52,8 @@ from captioner.config import (
     DecodeConfig,
     TrainConfig,
     apply_overrides,
-    from_dict,
     load_config,
+    parse_config,
     to_dict,
 )
 from captioner.datasets import Batch, CaptionDataset, ImageDataset, collate, collate_images
@@ -684,7 +684,7 @@ def run_config(config: str | Path | None, overrides: list[str], resume: str | Pa
         if saved is None:
             raise CheckpointError(f"{resume}: has no training state to resume from (use the run's last.pt)")
         try:
-            cfg = from_dict(Config, apply_overrides(saved, overrides))
+            cfg = parse_config(apply_overrides(saved, overrides))
         except ConfigError as e:
             raise ConfigError(f"{resume}: {e}") from None
     else:

@@ -39,3 +39,14 @@ def test_bad_file_names_the_file(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="missing.yaml: config file not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_a_retired_key_is_dropped_with_a_warning_not_an_error(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  length_buckets: true\n  epochs: 3\n")
+    with caplog.at_level("WARNING"):
+        cfg = load_config(path)
+    assert cfg.train.epochs == 3 and cfg == load_config(None, ["train.epochs=3"])
+    assert "train.length_buckets" in caplog.text and "ignored" in caplog.text
+    with pytest.raises(ConfigError, match="unknown config key 'train.length_bucket'"):
+        load_config(None, ["train.length_bucket=true"])  # a typo is still an error
