@@ -292,6 +292,12 @@ def build_datasets_for(data: DataConfig, seed: int, batch_size: int, encoder: En
     return train_set, ImageDataset(val_records, transform=encoder.transform(train=False)), False
 
 
+def build_criterion(cfg: TrainConfig) -> Criterion:
+    """The training loss with the config's weights: packed decoder output, tokens -> LossOutput."""
+    return functools.partial(caption_loss, alpha_reg=cfg.alpha_reg, label_smoothing=cfg.label_smoothing,
+                             entropy_reg=cfg.entropy_reg)
+
+
 def build_optimizer(model: CaptionModel, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Adam(W) over the decoder (`train.lr`) and any fine-tuned encoder stages (`train.encoder_lr`)."""
     groups = [{"params": list(model.decoder.parameters()), "lr": cfg.lr}]
@@ -625,8 +631,7 @@ def fit(run: Run, stop_after_steps: int | None = None) -> TrainResult:
     """The training loop from wherever `run.state` stands. `stop_after_steps` ends the run (with a
     checkpoint) once that many steps are done in total: a hook for tests and smoke runs."""
     tc, st = run.cfg.train, run.state
-    criterion = functools.partial(caption_loss, alpha_reg=tc.alpha_reg, label_smoothing=tc.label_smoothing,
-                                  entropy_reg=tc.entropy_reg)
+    criterion = build_criterion(tc)
     per_epoch = run.steps_per_epoch
     stop = tc.patience > 0 and st.bad_validations >= tc.patience  # resumed after an early stop
     early = stop

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import itertools
 import logging
 import resource
@@ -36,11 +35,10 @@ from captioner.cache import build_cache
 from captioner.config import TrainConfig, load_config
 from captioner.datasets import CaptionDataset, collate
 from captioner.distributed import EpochBatchSampler
-from captioner.loss import caption_loss
 from captioner.model import build_model
 from captioner.prepare import load_data_records
 from captioner.sources import split_records
-from captioner.train import Meter, build_optimizer, resolve_amp, train_one_epoch, train_step
+from captioner.train import Criterion, Meter, build_criterion, build_optimizer, resolve_amp, train_one_epoch, train_step
 from captioner.vocab import build_vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +64,7 @@ def one_epoch(model, loader, tc: TrainConfig, cached: bool, amp_dtype: torch.dty
     optimizer = build_optimizer(model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    criterion = functools.partial(caption_loss, alpha_reg=tc.alpha_reg, label_smoothing=tc.label_smoothing,
-                                  entropy_reg=tc.entropy_reg)
+    criterion = build_criterion(tc)
     meter = Meter()
     torch.manual_seed(0)
     train_one_epoch(net, criterion, optimizer, scheduler, scaler, loader, torch.device("cpu"), meter,
@@ -76,7 +73,7 @@ def one_epoch(model, loader, tc: TrainConfig, cached: bool, amp_dtype: torch.dty
     return meter
 
 
-def flops_per_caption(model, loader, alpha_reg: float, batches: int = 20) -> float:
+def flops_per_caption(model, loader, criterion: Criterion, batches: int = 20) -> float:
     """FLOPs (matmul/conv) per caption of cached training steps (decoder forward and backward),
     counted over the loader's first `batches` batches."""
     decoder = copy.deepcopy(model.decoder)
@@ -84,21 +81,21 @@ def flops_per_caption(model, loader, alpha_reg: float, batches: int = 20) -> flo
     with FlopCounterMode(display=False) as counter:
         for batch in itertools.islice(loader, batches):
             out = decoder(batch.inputs, batch.tokens, batch.lengths, batch.rows)
-            caption_loss(out, batch.tokens, alpha_reg).total.backward()
+            criterion(out, batch.tokens).total.backward()
             captions += len(batch.lengths)
     return counter.get_total_flops() / captions
 
 
-def amp_compare(model, batches: list, lr: float, alpha_reg: float, repeats: int = 3) -> dict[str, float]:
+def amp_compare(model, batches: list, tc: TrainConfig, repeats: int = 3) -> dict[str, float]:
     """Captions/s of cached steps in float32 and under bf16 autocast, interleaved (best of `repeats`)."""
     best = {"float32": 0.0, "bf16": 0.0}
     for _ in range(repeats):
         for name, dtype in (("float32", None), ("bf16", torch.bfloat16)):
             decoder = copy.deepcopy(model.decoder).train()
-            optimizer = torch.optim.AdamW(decoder.parameters(), lr=lr, fused=True)
+            optimizer = torch.optim.AdamW(decoder.parameters(), lr=tc.lr, fused=True)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             scaler = torch.amp.GradScaler("cpu", enabled=False)
-            criterion = functools.partial(caption_loss, alpha_reg=alpha_reg)
+            criterion = build_criterion(tc)
             train_step(decoder, criterion, optimizer, scheduler, scaler, batches[0], torch.device("cpu"), dtype)
             tick = time.perf_counter()
             for b in batches:
@@ -160,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         a = one_epoch(model, loader(cached_set, tc.group_by_image), tc, cached=True, amp_dtype=amp_dtype)
         a_plain = one_epoch(model, loader(cached_set, False), tc, cached=True, amp_dtype=amp_dtype)
         b = one_epoch(model, loader(image_set, False), tc, cached=False, amp_dtype=amp_dtype)
-        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), tc.alpha_reg) * a.captions
+        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), build_criterion(tc)) * a.captions
         amp = None
         if args.amp:
             batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 4))
-            amp = amp_compare(model, batches, tc.lr, tc.alpha_reg)
+            amp = amp_compare(model, batches, tc)
 
     peak = matmul_peak()
     peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
