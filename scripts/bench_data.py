@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from captioner.cache import build_cache
 from captioner.config import EncoderConfig
-from captioner.datasets import CaptionDataset, collate
-from captioner.encoder import build_encoder
+from captioner.data.cache_build import build_cache
+from captioner.data.datasets import CaptionDataset, collate
+from captioner.data.sources import read_source as load_records
+from captioner.data.vocab import build_vocabulary
+from captioner.model.encoder import build_encoder
 from captioner.runtime import resolve_device
-from captioner.sources import load_records
-from captioner.vocab import build_vocabulary
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from captioner.config import DecodeConfig, ModelConfig
-from captioner.images import load_image
-from captioner.inference import Captioner
+from captioner.data.images import load_image
+from captioner.data.sources import read_source
+from captioner.data.vocab import build_vocabulary
+from captioner.decoding.captioner import Captioner
+from captioner.decoding.search import decode
 from captioner.model import build_model
 from captioner.runtime import resolve_device, seed_everything
-from captioner.search import decode
-from captioner.sources import load_records
-from captioner.vocab import build_vocabulary
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -74,7 +74,7 @@ def main(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    records = load_records(args.data)
+    records = read_source(args.data)
     paths = [r.image for r in records][: args.images]
     captioner, what = build_captioner(args, records, device)
     images = [load_image(p) for p in paths]

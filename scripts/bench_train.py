@@ -31,15 +31,19 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
-from captioner.cache import build_cache
 from captioner.config import TrainConfig, load_config
-from captioner.datasets import CaptionDataset, collate
-from captioner.distributed import EpochBatchSampler
+from captioner.data.cache_build import build_cache
+from captioner.data.datasets import CaptionDataset, collate
+from captioner.data.order import EpochBatchSampler
+from captioner.data.records import split_records
+from captioner.data.sources import load_records
+from captioner.data.vocab import build_vocabulary
 from captioner.model import build_model
-from captioner.prepare import load_data_records
-from captioner.sources import split_records
-from captioner.train import Criterion, Meter, build_criterion, build_optimizer, resolve_amp, train_one_epoch, train_step
-from captioner.vocab import build_vocabulary
+from captioner.runtime import autocast_dtype
+from captioner.training.loop import train_one_epoch, train_step
+from captioner.training.loss import Criterion, build_criterion
+from captioner.training.setup import build_optimizer
+from captioner.training.state import Meter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config, [f"data.path={args.data}", *args.overrides])
     batch_size = args.batch_size or cfg.train.batch_size
-    amp_dtype = resolve_amp(cfg.train.amp, torch.device("cpu"))
-    train_records = split_records(load_data_records(cfg.data))["train"]
+    amp_dtype = autocast_dtype(cfg.train.amp, torch.device("cpu"))
+    train_records = split_records(load_records(cfg.data))["train"]
     if args.limit_images:
         train_records = train_records[: args.limit_images]
     vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count)

@@ -10,11 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.cache import FEATURES, INDEX, FeatureCache, build_cache
 from captioner.config import EncoderConfig
-from captioner.encoder import build_encoder
-from captioner.images import load_image
-from captioner.sources import Record
+from captioner.data.cache import FEATURES, INDEX, FeatureCache
+from captioner.data.cache_build import build_cache
+from captioner.data.images import load_image
+from captioner.data.records import Record
+from captioner.model.encoder import build_encoder
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,20 @@
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from captioner.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
-from captioner.config import DecoderConfig, EncoderConfig, ModelConfig
+from captioner.config import Config, DecodeConfig, DecoderConfig, EncoderConfig, ModelConfig
+from captioner.data.shapes import make_example
+from captioner.data.vocab import Vocabulary
+from captioner.decoding.captioner import Captioner
 from captioner.model import build_model
-from captioner.vocab import Vocabulary
+from captioner.model.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from captioner.training import run_config, train
 
+V1 = Path(__file__).parent / "fixtures" / "v1"  # a last.pt written by captioner 0.1 (checkpoint version 1)
 CFG = ModelConfig(
     encoder=EncoderConfig(name="random", image_size=64),
     decoder=DecoderConfig(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
@@ -15,7 +24,8 @@ VOCAB = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"])
 
 def _saved(tmp_path):
     model = build_model(CFG, len(VOCAB)).eval()
-    path = save_checkpoint(tmp_path / "run" / "model.pt", CFG, VOCAB, model.state_dict(), meta={"note": "x"})
+    path = save_checkpoint(tmp_path / "run" / "model.pt", Config(model=CFG, decode=DecodeConfig(beam_size=2)), VOCAB,
+                           model.state_dict(), meta={"note": "x"})
     return model, path
 
 
@@ -25,6 +35,7 @@ def test_round_trip_gives_identical_outputs(tmp_path):
     tokens = torch.tensor([[1, 4, 5, 6, 2], [1, 5, 2, 0, 0]])
     loaded, ckpt = load_model(path)
     assert ckpt.model_config == CFG and ckpt.vocab == VOCAB and ckpt.meta == {"note": "x"}
+    assert ckpt.config.decode.beam_size == 2
     with torch.no_grad():
         lengths = torch.tensor([4, 2])
         expected, got = model(images, tokens, lengths), loaded(images, tokens, lengths)
@@ -62,7 +73,7 @@ def test_foreign_torch_file(tmp_path):
 def test_checkpoint_that_does_not_fit_the_code(tmp_path):
     _, path = _saved(tmp_path)
     payload = torch.load(path, weights_only=True)
-    payload["model_config"]["decoder"]["heads"] = 8  # a key this code does not know
+    payload["config"]["model"]["decoder"]["heads"] = 8  # a key this code does not know
     torch.save(payload, tmp_path / "newer.pt")
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path / "newer.pt")
@@ -74,3 +85,42 @@ def test_checkpoint_that_does_not_fit_the_code(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_model(tmp_path / "mismatch.pt")
     _one_line(e, "mismatch.pt", "readout")
+
+
+def test_the_run_config_is_stored_once(tmp_path):
+    _, path = _saved(tmp_path)
+    payload = torch.load(path, weights_only=True)
+    assert payload["version"] == 2 and set(payload["config"]) == {"data", "model", "train", "decode"}
+    assert "model_config" not in payload and "config" not in payload["meta"]
+
+
+def test_a_version_1_checkpoint_loads_and_captions_as_it_did(caplog):
+    """tests/fixtures/v1/last.pt was trained by captioner 0.1 (config keys alpha_reg and entropy_reg,
+    the run config in train_state); expected.json holds what 0.1 captioned with it."""
+    ckpt = load_checkpoint(V1 / "last.pt")
+    assert ckpt.train_state is not None and "config" not in ckpt.train_state
+    # alpha_reg 0.1 summed over the 16 regions of the random encoder's 4x4 grid = a mean weighted 1.6
+    assert ckpt.config.train.coverage_weight == pytest.approx(1.6) and ckpt.config.train.entropy_weight == 0.01
+    assert "alpha_reg" in caplog.text
+    assert ckpt.config.decode == DecodeConfig(beam_size=2, max_length=12, length_penalty=0.7)
+
+    captioner = Captioner.from_checkpoint(V1 / "last.pt", "cpu")
+    expected = json.loads((V1 / "expected.json").read_text())
+    images = [make_example(i, 0)[0] for i in (8, 9, 18)]  # the shapes images it was run on (seed 0, 224 px)
+    for beam in (1, 2):
+        got = captioner.caption(images, beam_size=beam)
+        want = [e for e in expected if e["beam"] == beam]
+        assert [c.text for c in got] == [e["caption"] for e in want]
+        np.testing.assert_allclose([c.score for c in got], [e["score"] for e in want], atol=1e-4)
+        np.testing.assert_allclose(np.array([c.attention[0] for c in got]), [e["attention0"] for e in want], atol=1e-5)
+
+
+def test_a_version_1_run_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(V1 / "last.pt", run / "last.pt")
+    cfg = run_config(None, ["train.epochs=7"], resume=run / "last.pt")
+    result = train(cfg, run, "cpu", resume=run / "last.pt")
+    assert (result.epochs, result.steps) == (7, 70)  # 6 epochs of 10 steps were done
+    assert load_checkpoint(result.last).train_state["position"]["epoch"] == 7

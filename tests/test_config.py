@@ -50,3 +50,38 @@ def test_a_retired_key_is_dropped_with_a_warning_not_an_error(tmp_path, caplog):
     assert "train.length_buckets" in caplog.text and "ignored" in caplog.text
     with pytest.raises(ConfigError, match="unknown config key 'train.length_bucket'"):
         load_config(None, ["train.length_bucket=true"])  # a typo is still an error
+
+
+def test_renamed_keys_are_read_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  encoder: {image_size: 256}\ntrain:\n  alpha_reg: 0.1\n  entropy_reg: 0.02\n")
+    with caplog.at_level("WARNING"):
+        cfg = load_config(path)
+    # the old term summed over the 8x8 = 64 regions of efficientnet_lite0 at 256 px; the new one averages
+    assert cfg.train.coverage_weight == pytest.approx(6.4) and cfg.train.entropy_weight == 0.02
+    assert "train.alpha_reg" in caplog.text and "train.coverage_weight" in caplog.text
+    assert "train.entropy_reg" in caplog.text
+    with pytest.raises(ConfigError, match="alpha_reg"):
+        load_config(None, ["train.alpha_reg=much"])
+
+
+@pytest.mark.parametrize("name, size", [("random", 64), ("random", 70), ("efficientnet_lite0", 256),
+                                        ("efficientnet_lite2", 260), ("resnet50", 224), ("convnext_tiny", 224)])
+def test_the_alias_counts_the_regions_the_encoder_really_has(name, size):
+    from captioner.config import EncoderConfig, legacy_regions
+    from captioner.model.encoder import build_encoder
+
+    grid = build_encoder(EncoderConfig(name=name, image_size=size), pretrained=False).grid
+    assert legacy_regions({"name": name, "image_size": size}) == grid[0] * grid[1]
+
+
+def test_shipped_configs_are_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    from captioner.config import shipped_configs
+
+    monkeypatch.chdir(tmp_path)
+    assert shipped_configs() == ["coco", "flickr8k", "flickr8k-800", "shapes"]
+    for name in shipped_configs():
+        assert load_config(name) == load_config(f"configs/{name}.yaml") == load_config(f"{name}.yaml")
+    assert load_config("shapes").model.decoder.attend == "after"
+    with pytest.raises(ConfigError, match="shapez: config file not found .*shipped configs: coco"):
+        load_config("shapez")

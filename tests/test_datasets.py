@@ -7,14 +7,13 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from captioner.cache import build_cache
 from captioner.cli import main
 from captioner.config import EncoderConfig
-from captioner.datasets import (Batch, CaptionDataset, CaptionItem, ImageDataset, build_datasets, collate,
-                                collate_images)
-from captioner.encoder import build_encoder
-from captioner.sources import Record
-from captioner.vocab import build_vocabulary
+from captioner.data.cache_build import build_cache
+from captioner.data.datasets import Batch, CaptionDataset, CaptionItem, ImageDataset, collate, collate_images
+from captioner.data.records import Record
+from captioner.data.vocab import build_vocabulary
+from captioner.model.encoder import build_encoder
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +106,9 @@ def test_dataloader_with_a_worker_over_the_cache(tmp_path, encoder):
     records = _records(tmp_path / "img", 4)
     cache = build_cache(records, encoder, tmp_path / "cache", progress=False).cache
     vocab = build_vocabulary(c for r in records for c in r.captions)
-    splits = build_datasets(records, vocab, 20, cache=cache)
-    assert set(splits) == {"train", "val"} and len(splits["train"]) == 15 and len(splits["val"]) == 5
-    loader = DataLoader(splits["train"], batch_size=8, shuffle=True, num_workers=1, collate_fn=collate)
+    train = CaptionDataset([r for r in records if r.split == "train"], vocab, 20, cache=cache)
+    assert len(train) == 15
+    loader = DataLoader(train, batch_size=8, shuffle=True, num_workers=1, collate_fn=collate)
     batches = list(loader)
     assert sum(len(b.image_ids) for b in batches) == 15
     assert batches[0].inputs.shape[1:] == (16, encoder.out_dim)

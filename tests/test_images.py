@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.images import ImageError, load_image
+from captioner.data.images import ImageError, load_image
 
 
 def _save(im: Image.Image, path, **kw):

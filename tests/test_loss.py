@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.decoder import DecoderOutput
-from captioner.loss import caption_loss
+from captioner.model.decoder import DecoderOutput
+from captioner.training.loss import caption_loss
 
 
 def _packed(lengths: list[int], V: int, L: int, alphas=None) -> tuple[DecoderOutput, torch.Tensor, torch.Tensor]:
@@ -23,54 +23,75 @@ def _packed(lengths: list[int], V: int, L: int, alphas=None) -> tuple[DecoderOut
 
 def test_cross_entropy_is_over_the_real_tokens_only():
     out, tokens, padded = _packed([5, 2], V=7, L=4)
-    loss = caption_loss(out, tokens, alpha_reg=0.0)
+    loss = caption_loss(out, tokens)
     expected = F.cross_entropy(torch.cat([padded[0], padded[1, :2]]), torch.cat([tokens[0, 1:], tokens[1, 1:3]]))
     torch.testing.assert_close(loss.xent, expected)
     torch.testing.assert_close(loss.total, expected)
 
 
-def test_doubly_stochastic_regulariser():
+def test_coverage_term_is_the_mean_over_regions():
     L = 4
     # Each region looked at exactly once over the 4 steps: no penalty.
     out, tokens, _ = _packed([4], V=5, L=L, alphas=torch.eye(L))
-    assert caption_loss(out, tokens).attention.item() == 0.0
-    # Always region 0: coverage (4, 0, 0, 0) -> (1-4)^2 + 3 * 1 = 12.
+    assert caption_loss(out, tokens, coverage_weight=1.0).coverage.item() == 0.0
+    # Always region 0: coverage (4, 0, 0, 0) -> ((1-4)^2 + 3 * 1) / 4 regions = 3.
     stuck = torch.zeros(4, L)
     stuck[:, 0] = 1
     out, tokens, _ = _packed([4], V=5, L=L, alphas=stuck)
-    loss = caption_loss(out, tokens, alpha_reg=0.5)
-    assert loss.attention.item() == 12.0
-    torch.testing.assert_close(loss.total, loss.xent + 6.0)
-    # Padded regions are not penalised.
-    region_mask = torch.tensor([[True, False, False, False]])
-    assert caption_loss(out, tokens, region_mask=region_mask).attention.item() == 9.0
+    loss = caption_loss(out, tokens, coverage_weight=0.5)
+    assert loss.coverage.item() == 3.0
+    torch.testing.assert_close(loss.total, loss.xent + 1.5)
 
 
-def test_coverage_is_summed_per_caption():
+def test_coverage_is_per_caption_then_averaged():
     """Two captions, each attending to its own region at every step: caption 0 (3 steps) covers
     region 0 three times, caption 1 (1 step) region 1 once."""
     alphas = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [1.0, 0, 0], [1.0, 0, 0]])  # time-major: c0 c1 c0 c0
     out, tokens, _ = _packed([3, 1], V=5, L=3, alphas=alphas)
-    # caption 0: (1-3)^2 + 1 + 1 = 6; caption 1: 1 + 0 + 1 = 2; mean 4
-    assert caption_loss(out, tokens).attention.item() == 4.0
+    # caption 0: (1-3)^2 + 1 + 1 = 6; caption 1: 1 + 0 + 1 = 2; over 2 captions x 3 regions: 8 / 6
+    assert caption_loss(out, tokens, coverage_weight=1.0).coverage.item() == pytest.approx(8 / 6)
+
+
+def test_coverage_does_not_grow_with_the_grid():
+    """The same looks on a 4- and on a 16-region grid (the extra regions never looked at, like the
+    corners of a finer grid): the summed term of older versions grew 4x, the mean stays put."""
+    small = torch.full((4, 4), 0.25)  # 4 steps spread evenly: each region covered exactly once
+    large = torch.zeros(16, 16)
+    large[:, :4] = 0.25  # 16 steps over the first 4 regions: each covered 4 times, 12 never
+    a = caption_loss(_packed([4], V=5, L=4, alphas=small)[0], torch.zeros(1, 5, dtype=torch.long), coverage_weight=1.0)
+    b = caption_loss(_packed([16], V=5, L=16, alphas=large)[0], torch.zeros(1, 17, dtype=torch.long),
+                     coverage_weight=1.0)
+    assert a.coverage.item() == 0.0
+    assert b.coverage.item() == pytest.approx((4 * 9 + 12 * 1) / 16)  # 3.0, not the sum 48
+
+
+def test_a_term_whose_weight_is_zero_is_not_computed(monkeypatch):
+    out, tokens, _ = _packed([3, 2], V=5, L=4)
+    calls = []
+    real_log = torch.Tensor.log
+    monkeypatch.setattr(torch.Tensor, "log", lambda self: calls.append("log") or real_log(self))
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda *a, **k: calls.append("index_add_"))
+    loss = caption_loss(out, tokens)
+    assert calls == [] and loss.coverage.item() == 0.0 and loss.entropy.item() == 0.0
+    torch.testing.assert_close(loss.total, loss.xent)
 
 
 def test_entropy_penalty_is_the_mean_entropy_of_the_maps():
     L = 4
     out, tokens, _ = _packed([3], V=5, L=L)  # every map 1/L everywhere: entropy ln L
-    loss = caption_loss(out, tokens, alpha_reg=0.0, entropy_reg=0.5)
+    loss = caption_loss(out, tokens, entropy_weight=0.5)
     torch.testing.assert_close(loss.entropy, torch.tensor(math.log(L)))
     torch.testing.assert_close(loss.total, loss.xent + 0.5 * math.log(L))
-    assert caption_loss(out, tokens, alpha_reg=0.0).total == loss.xent  # off by default
+    assert caption_loss(out, tokens).total == loss.xent  # off by default
 
 
-def test_entropy_of_sharp_and_masked_maps_has_a_finite_gradient():
-    """Masked regions get exactly 0 weight from the softmax; 0 log 0 must count as 0 and not poison the gradient."""
+def test_entropy_of_maps_with_exact_zeros_has_a_finite_gradient():
+    """A saturated softmax gives regions exactly 0 weight; 0 log 0 must count as 0 and not poison the gradient."""
     scores = torch.tensor([[5.0, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 9]], requires_grad=True)
     mask = torch.tensor([[True, True, False, False], [True, True, True, False], [False, False, True, True]])
     alphas = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # (3, 4) with exact zeros
     out, tokens, _ = _packed([3], V=5, L=4, alphas=alphas)
-    loss = caption_loss(out, tokens, entropy_reg=1.0)
+    loss = caption_loss(out, tokens, entropy_weight=1.0)
     expected = -sum(float(a * a.log()) for a in alphas.detach()[mask]) / 3
     assert loss.entropy.item() == pytest.approx(expected, rel=1e-5)
     loss.total.backward()

@@ -4,10 +4,9 @@ from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.rouge.rouge import Rouge
 
-from captioner import metrics
-from captioner.metrics import GroundingSample, caption_metrics, grounding_score, word_objects
-from captioner.sources import Box
-from captioner.vocab import tokenize
+from captioner.data.vocab import tokenize
+from captioner.decoding import metrics
+from captioner.decoding.metrics import caption_metrics
 
 REFS = {
     "dog.jpg": ["A dog runs on the grass.", "a brown dog running", "The dog is playing outside, happily!"],
@@ -81,67 +80,22 @@ def test_meteor_equals_pycocoevalcap(monkeypatch):
     assert got == pytest.approx(scorer.compute_score(*_ptb(REFS, HYPS))[0], abs=1e-12) and 0 < got < 1
 
 
-# --- grounding -------------------------------------------------------------------------------
-
-# A 100 x 50 image (width x height) seen through a 2 x 4 grid: cells are 25 x 25 px,
-# centres at x = 12.5, 37.5, 62.5, 87.5 and y = 12.5, 37.5.
-SIZE = (100, 50)
-RED_CIRCLE = Box("red circle", 0, 0, 50, 50)  # holds the left 2 columns
-BLUE_SQUARE = Box("blue square", 50, 0, 100, 25)  # holds the top-right 2 cells
-BLUE_CIRCLE = Box("blue circle", 50, 25, 100, 50)  # bottom-right 2 cells
-
-
-def _map(peak: tuple[int, int], weight: float = 0.7) -> np.ndarray:
-    m = np.full((2, 4), (1 - weight) / 7)
-    m[peak] = weight
-    return m
-
-
-def test_word_objects_resolves_ambiguous_words_by_their_phrase():
-    boxes = [RED_CIRCLE, BLUE_SQUARE, BLUE_CIRCLE]
-    words = "a red circle above a blue circle and a blue square and a green circle".split()
-    got = word_objects(words, boxes)
-    assert got[:7] == [None, 0, 0, None, None, 2, 2]  # "red" unique; "circle" by its phrase; "blue circle"
-    assert got[9:11] == [1, 1]  # "blue square"
-    assert got[13:] == [None, None]  # "green circle": no green, and "circle" alone is ambiguous
-
-
-def test_grounding_on_hand_made_maps():
-    words = ["a", "red", "circle", "and", "a", "blue", "square"]
-    attention = np.stack([
-        _map((0, 3)),  # a: not an object word, ignored
-        _map((1, 0)),  # red: peak at (12.5, 37.5), inside the red circle's box
-        _map((0, 2)),  # circle: peak in the square -> miss
-        _map((0, 0)),  # and
-        _map((0, 0)),  # a
-        _map((0, 3)),  # blue: peak at (87.5, 12.5), inside the square
-        _map((1, 3)),  # square: peak at (87.5, 37.5), below the square -> miss
-    ])
-    sample = GroundingSample(words, attention, SIZE, [RED_CIRCLE, BLUE_SQUARE])
-    result = grounding_score([sample])
-    assert result.words == 4
-    assert result.hit_rate == pytest.approx(2 / 4)
-    small = 0.3 / 7
-    masses = [0.7 + 3 * small, 4 * small, 0.7 + small, 2 * small]  # red, circle, blue, square
-    assert result.mean_mass == pytest.approx(sum(masses) / 4)
-
-
-def test_grounding_uses_the_image_size_not_the_grid():
-    # Same map, taller image: (1, 0)'s centre moves from y=37.5 to y=75, out of a box that ends at y=50.
-    sample = GroundingSample(["red"], _map((1, 0))[None], (100, 100), [RED_CIRCLE])
-    assert grounding_score([sample]).hit_rate == 0.0
-    assert grounding_score([]).words == 0
-    with pytest.raises(ValueError, match="2 words"):
-        grounding_score([GroundingSample(["red", "circle"], _map((0, 0))[None], SIZE, [RED_CIRCLE])])
-
-
-def test_grounding_uses_the_cells_true_centres():
-    """Peak in cell (0, 0) of a 2x2 grid on a 100 px image: its nominal centre (25, 25) is outside
-    a box at 40-90 px, but cells looking half a cell further down-right are centred at (50, 50)."""
-    from captioner.metrics import GroundingSample, grounding_score
-    from captioner.sources import Box
-
-    attention = np.array([[[1.0, 0.0], [0.0, 0.0]]])  # (T=1, 2, 2)
-    box = (Box("circle", 40, 40, 90, 90),)
-    assert grounding_score([GroundingSample(["circle"], attention, (100, 100), box)]).hit_rate == 0.0
-    assert grounding_score([GroundingSample(["circle"], attention, (100, 100), box, 0.5)]).hit_rate == 1.0
+@pytest.mark.parametrize("java", [True, False])
+def test_fixed_numbers_for_a_fixed_example(java, monkeypatch):
+    """Worked by hand. "a dog runs" against "a cat runs fast": 2 of 3 unigrams match, 0 of 2 bigrams;
+    the hypothesis is shorter (3 words, reference 4), so BLEU-1 = 2/3 * exp(1 - 4/3) = 0.4777. A
+    hypothesis equal to its reference scores 1 on BLEU-4 and ROUGE-L."""
+    if java and not metrics.java_available():
+        pytest.skip("java not on PATH")
+    monkeypatch.setattr(metrics, "java_available", lambda: java)
+    refs = {"a": ["a cat runs fast"], "b": ["two birds sit on a wire"]}
+    got = caption_metrics(refs, {"a": "a dog runs", "b": "two birds sit on a wire"}, meteor=False)
+    # corpus BLEU-1: (2 + 6) matching of (3 + 6) words, brevity penalty exp(1 - 10/9)
+    assert got["Bleu_1"] == pytest.approx(8 / 9 * np.exp(1 - 10 / 9), rel=1e-6)
+    alone = caption_metrics({"a": refs["a"]}, {"a": "a dog runs"}, meteor=False)
+    assert alone["Bleu_1"] == pytest.approx(2 / 3 * np.exp(1 - 4 / 3), rel=1e-6)
+    same = caption_metrics({"b": refs["b"]}, {"b": "two birds sit on a wire"}, meteor=False)
+    assert same["Bleu_4"] == pytest.approx(1.0, rel=1e-6) and same["ROUGE_L"] == pytest.approx(1.0)
+    # ROUGE-L of "a dog runs" vs "a cat runs fast": LCS 2 ("a runs"), P = 2/3, R = 2/4, beta 1.2
+    p, r, beta = 2 / 3, 2 / 4, 1.2
+    assert alone["ROUGE_L"] == pytest.approx((1 + beta**2) * p * r / (r + beta**2 * p), rel=1e-6)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from captioner.config import DecodeConfig, DecoderConfig
-from captioner.decoder import AttentionDecoder
-from captioner.search import beam_search, block_repeated_ngrams, decode, greedy_search, length_penalty
-from captioner.vocab import Vocabulary
+from captioner.data.vocab import Vocabulary
+from captioner.decoding.search import beam_search, block_repeated_ngrams, decode, length_penalty
+from captioner.model.decoder import AttentionDecoder
 
 B, L, D, V = 4, 9, 16, 30
 PAD, START, END, UNK = 0, 1, 2, 3
@@ -42,23 +42,52 @@ def test_length_penalty_is_pure_power():
     assert length_penalty(0, 1.0) == 1.0  # never divides by zero
 
 
-@pytest.mark.parametrize("alpha, ngram", [(0.0, 0), (1.0, 0), (0.7, 2)])
-def test_beam_of_one_is_greedy(alpha, ngram):
+@torch.no_grad()
+def _greedy(dec, features, max_length, no_repeat_ngram=0):
+    """Greedy decoding written out plainly, one image at a time: the reference beam search with K = 1
+    must reproduce. Returns (tokens, summed log-prob, finished, (T, L) attention)."""
+    memory = dec.memory(features.unsqueeze(0))
+    hidden = dec.init_hidden(memory)
+    token, words, logprob, maps = torch.tensor([START]), [], 0.0, []
+    for _ in range(max_length + 1):
+        out = dec.step(token, hidden, memory)
+        logp = torch.log_softmax(out.logits.float(), -1)[0]  # (V,)
+        logp[list(BANNED)] = float("-inf")
+        if no_repeat_ngram and len(words) >= no_repeat_ngram:
+            n = no_repeat_ngram
+            for i in range(len(words) - n + 1):
+                if words[i : i + n - 1] == words[len(words) - n + 1 :]:
+                    logp[words[i + n - 1]] = float("-inf")
+        if len(words) == max_length:  # cut: no room for another word
+            return words, logprob, False, torch.stack(maps) if maps else torch.empty(0, L)
+        best = int(logp.argmax())
+        if best == END:
+            return words, logprob + float(logp[END]), True, torch.stack(maps) if maps else torch.empty(0, L)
+        words.append(best)
+        logprob += float(logp[best])
+        maps.append(out.alpha[0])
+        token, hidden = torch.tensor([best]), out.hidden
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("exponent, ngram", [(0.0, 0), (1.0, 0), (0.7, 2)])
+def test_beam_of_one_is_greedy(exponent, ngram):
     dec, features = _decoder(), torch.randn(B, L, D)
-    greedy = greedy_search(dec, features, 12, START, END, BANNED, no_repeat_ngram=ngram, length_penalty=alpha)
-    beam = beam_search(dec, features, 1, 12, START, END, BANNED, length_penalty=alpha, no_repeat_ngram=ngram)
-    for g, b in zip(greedy, beam):
-        assert g.tokens == b.tokens and g.finished == b.finished
-        assert g.logprob == b.logprob and g.score == b.score  # same float32 sums, bit for bit
-        torch.testing.assert_close(g.alphas, b.alphas)
+    for f, hyp in zip(features, beam_search(dec, features, 1, 12, START, END, BANNED, length_penalty=exponent,
+                                            no_repeat_ngram=ngram)):
+        words, logprob, finished, maps = _greedy(dec, f, 12, ngram)
+        assert hyp.tokens == words and hyp.finished == finished
+        assert hyp.logprob == pytest.approx(logprob, abs=1e-4)
+        assert hyp.score == pytest.approx(logprob / length_penalty(len(words) + finished, exponent), abs=1e-4)
+        torch.testing.assert_close(hyp.alphas, maps)
 
 
-@pytest.mark.parametrize("alpha, ngram", [(1.0, 0), (0.0, 2)])
-def test_batched_beam_equals_one_image_at_a_time(alpha, ngram):
+@pytest.mark.parametrize("exponent, ngram", [(1.0, 0), (0.0, 2)])
+def test_batched_beam_equals_one_image_at_a_time(exponent, ngram):
     dec, features = _decoder(), torch.randn(8, L, D)
-    batched = beam_search(dec, features, 3, 10, START, END, BANNED, length_penalty=alpha, no_repeat_ngram=ngram)
+    batched = beam_search(dec, features, 3, 10, START, END, BANNED, length_penalty=exponent, no_repeat_ngram=ngram)
     for i, hyp in enumerate(batched):
-        (alone,) = beam_search(dec, features[i : i + 1], 3, 10, START, END, BANNED, length_penalty=alpha,
+        (alone,) = beam_search(dec, features[i : i + 1], 3, 10, START, END, BANNED, length_penalty=exponent,
                                no_repeat_ngram=ngram)
         assert hyp.tokens == alone.tokens and hyp.finished == alone.finished
         assert hyp.score == pytest.approx(alone.score, abs=1e-5)
@@ -97,11 +126,13 @@ def test_a_caption_that_never_ends_is_returned_unfinished(beam):
     dec, features = _decoder(), torch.randn(B, L, D)
     with torch.no_grad():
         dec.readout.bias[END] = -1e4  # <end> is never likely
-    hyps = beam_search(dec, features, beam, 5, START, END, BANNED) if beam > 1 else \
-        greedy_search(dec, features, 5, START, END, BANNED)
+    hyps = beam_search(dec, features, beam, 5, START, END, BANNED)
     for hyp, f in zip(hyps, features):
         assert not hyp.finished and len(hyp.tokens) == 5 and hyp.alphas.shape == (5, L)
         assert hyp.logprob == pytest.approx(_teacher_forced(dec, f, hyp.tokens, False)[0], abs=1e-4)
+
+
+VOCAB = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", *(f"w{i}" for i in range(V - 4))])
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -109,9 +140,23 @@ def test_specials_are_never_emitted(beam):
     dec, features = _decoder(), torch.randn(B, L, D)
     with torch.no_grad():
         dec.readout.bias[[PAD, START, UNK]] = 50.0  # the model wants nothing but specials
-    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", *(f"w{i}" for i in range(V - 4))])
-    for hyp in decode(dec, features, DecodeConfig(beam_size=beam, max_length=8), vocab):
-        assert hyp.tokens and not set(hyp.tokens) & {PAD, START, UNK, END}
+    for hyp in decode(dec, features, DecodeConfig(beam_size=beam, max_length=8), VOCAB):
+        assert not set(hyp.tokens) & {PAD, START, UNK, END}
+        assert all(4 <= t < V for t in hyp.tokens)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_model_that_wants_to_stop_at_once_still_writes_its_best_word(beam):
+    """<end> first is by far the most likely caption; `decode` holds it back for one word (min_length
+    1), and that word is the one the model ranks highest after <end>, followed by <end>."""
+    dec, features = _decoder(), torch.randn(B, L, D)
+    with torch.no_grad():
+        dec.readout.bias[END] = 40.0
+    first = dec.step(torch.full((B,), START), dec.init_hidden(dec.memory(features)), dec.memory(features)).logits
+    first[:, [PAD, START, END, UNK]] = float("-inf")
+    for hyp, best in zip(decode(dec, features, DecodeConfig(beam_size=beam, max_length=8), VOCAB),
+                         first.argmax(-1).tolist()):
+        assert hyp.tokens == [best] and hyp.finished
 
 
 def test_block_repeated_ngrams_on_a_hand_made_history():
@@ -132,17 +177,15 @@ def test_no_repeat_ngram(beam, n):
     with torch.no_grad():
         dec.readout.bias[END] = -1e4
         dec.readout.bias[[7, 8]] = 30.0  # without blocking: "7 8 7 8 ..." or "7 7 7 ..."
-    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", *(f"w{i}" for i in range(V - 4))])
-    free = decode(dec, features, DecodeConfig(beam_size=beam, max_length=10), vocab)
+    free = decode(dec, features, DecodeConfig(beam_size=beam, max_length=10), VOCAB)
     assert any(len(set(zip(*(h.tokens[i:] for i in range(n))))) < len(h.tokens) - n + 1 for h in free)
-    for hyp in decode(dec, features, DecodeConfig(beam_size=beam, max_length=10, no_repeat_ngram=n), vocab):
+    for hyp in decode(dec, features, DecodeConfig(beam_size=beam, max_length=10, no_repeat_ngram=n), VOCAB):
         grams = list(zip(*(hyp.tokens[i:] for i in range(n))))
         assert len(grams) == len(set(grams)) and len(hyp.tokens) == 10
 
 
-def test_masked_regions_get_no_attention_and_dtype_device_follow_features():
-    dec, features = _decoder(), torch.randn(B, L, D)
-    mask = torch.ones(B, L, dtype=torch.bool)
-    mask[:, 6:] = False
-    for hyp in beam_search(dec, features, 3, 6, START, END, BANNED, mask=mask):
-        assert torch.all(hyp.alphas[:, 6:] == 0) and hyp.alphas.dtype == features.dtype
+def test_maps_are_float32_whatever_the_features_dtype():
+    dec, features = _decoder().to(torch.bfloat16), torch.randn(B, L, D).bfloat16()
+    for hyp in beam_search(dec, features, 3, 6, START, END, BANNED):
+        assert hyp.alphas.dtype == torch.float32
+        torch.testing.assert_close(hyp.alphas.sum(-1), torch.ones(len(hyp.tokens)), atol=1e-6, rtol=0)

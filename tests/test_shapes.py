@@ -4,8 +4,8 @@ import re
 import numpy as np
 import pytest
 
-from captioner.shapes import COLOURS, KINDS, describe, generate_shapes, make_example
-from captioner.sources import Box
+from captioner.data.records import Box
+from captioner.data.shapes import COLOURS, KINDS, describe, generate_shapes, make_example
 
 OBJECT = re.compile(rf"\b({'|'.join(COLOURS)}) ({'|'.join(KINDS)})")
 

@@ -6,8 +6,10 @@ import pytest
 from PIL import Image
 
 from captioner.config import DataConfig
-from captioner.prepare import load_data_records
-from captioner.sources import Record, SourceError, assign_splits, load_records, read_karpathy, split_records
+from captioner.data.readers import read_karpathy
+from captioner.data.records import Record, SourceError, assign_splits, split_records
+from captioner.data.sources import load_records as load_data_records
+from captioner.data.sources import read_source as load_records
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"
 

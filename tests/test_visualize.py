@@ -2,8 +2,10 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from captioner.inference import Caption
-from captioner.visualize import grid_shape, plot_attention, render_attention, upsample
+from captioner.decoding.captioner import Caption
+from captioner.model.encoder import Cells
+from captioner.pictures.figures import grid_shape, plot_attention
+from captioner.pictures.overlay import render_attention, upsample
 
 
 def _caption(n_words: int, size=(96, 64), grid=(4, 6)) -> Caption:
@@ -66,13 +68,13 @@ def test_plot_attention_rejects_mismatched_maps(tmp_path):
         plot_attention(_photo(), caption, tmp_path / "x.png")
 
 
-def test_upsample_moves_the_map_by_the_cell_offset():
-    from captioner.visualize import upsample
-
+def test_upsample_places_each_weight_at_its_cells_centre():
     one_hot = np.zeros((4, 4), dtype=np.float32)
     one_hot[1, 1] = 1.0  # nominal centre of cell (1, 1) at pixel 15 of 40 (cells of 10 px)
     plain = upsample(one_hot, (40, 40))
-    moved = upsample(one_hot, (40, 40), offset=0.5)  # half a cell down and right
-    py, px = np.unravel_index(plain.argmax(), plain.shape)
-    my, mx = np.unravel_index(moved.argmax(), moved.shape)
-    assert (my - py, mx - px) == (5, 5)
+    assert np.unravel_index(plain.argmax(), plain.shape) == (14, 14)  # pixel 14 spans [14, 15): centre 14.5
+    moved = upsample(one_hot, (40, 40), Cells(origin=0.2, stride=0.25))  # cell 1 centred at 0.45 * 40 = 18 px
+    assert np.unravel_index(moved.argmax(), moved.shape) in ((17, 17), (17, 18), (18, 17), (18, 18))
+    wide = upsample(one_hot, (80, 40), Cells(origin=0.2, stride=0.25))  # the same fractions on a wider image
+    y, x = np.unravel_index(wide.argmax(), wide.shape)
+    assert y in (17, 18) and x in (35, 36)

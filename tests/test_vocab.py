@@ -1,7 +1,7 @@
 """Tokenisation and the vocabulary."""
 import pytest
 
-from captioner.vocab import SPECIALS, Vocabulary, VocabularyError, build_vocabulary, tokenize
+from captioner.data.vocab import SPECIALS, Vocabulary, VocabularyError, build_vocabulary, tokenize
 
 
 def test_tokenize_lowercases_splits_and_drops_punctuation():

@@ -1,0 +1,73 @@
+"""`captioner caption`: one line (or one JSON line, with per-word attention) per image."""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from captioner.cli.common import add_decode_options, add_device, decode_overrides
+from captioner.errors import CaptionerError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("caption", help="caption images with a trained checkpoint")
+    add_device(p)
+    p.add_argument("images", nargs="+", metavar="IMG", help="image files, folders (their images) or glob patterns")
+    add_decode_options(p)
+    p.add_argument("--json", action="store_true",
+                   help="JSON lines: path, caption, tokens, score, attention (per word, rows x cols, sums to 1)")
+    p.set_defaults(func=run)
+
+
+def expand_images(items: list[str]) -> tuple[list[str], list[str]]:
+    """Files named as given (any extension); folders and glob patterns (expanded here too: quoted on
+    the shell, or on Windows) -> their image files by extension, sorted. Returns (paths, problems):
+    a folder or pattern without images is a problem, reported like an unreadable image."""
+
+    def images_in(candidates: Iterable[Path]) -> list[str]:
+        return sorted(str(f) for f in candidates if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+
+    paths: list[str] = []
+    problems: list[str] = []
+    for item in items:
+        if Path(item).is_dir():
+            found = images_in(Path(item).iterdir())
+        elif any(c in item for c in "*?[") and not Path(item).exists():
+            matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))]
+            found = images_in(matches) + images_in(f for m in matches if m.is_dir() for f in m.iterdir())
+        else:
+            paths.append(item)
+            continue
+        paths += found
+        if not found:
+            problems.append(f"{item}: no image files ({' '.join(IMAGE_EXTENSIONS)}) found here")
+    return paths, problems
+
+
+def run(args: argparse.Namespace) -> int:
+    from captioner.decoding.captioner import Captioner
+
+    settings = decode_overrides(args)
+    paths, problems = expand_images(args.images)
+    if not paths:
+        raise CaptionerError(problems[0] if len(problems) == 1 else f"{' '.join(args.images)}: no image files found")
+    captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
+    for problem in problems:
+        print(f"captioner: error: {problem}", file=sys.stderr, flush=True)
+    failed = len(problems)
+    for path, result in captioner.caption_files(paths, args.batch_size, **settings):
+        if isinstance(result, CaptionerError):
+            print(f"captioner: error: {result}", file=sys.stderr, flush=True)
+            failed += 1
+        elif args.json:
+            print(json.dumps(result.to_json()), flush=True)
+        else:
+            print(f"{path}\t{result.text}", flush=True)
+    if failed:
+        print(f"captioner: {failed} of {len(paths) + len(problems)} inputs could not be captioned", file=sys.stderr)
+    return 1 if failed else 0

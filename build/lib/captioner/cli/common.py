@@ -1,0 +1,64 @@
+"""Arguments several subcommands share, and the printing of evaluation results."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from captioner.errors import CaptionerError
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...")
+
+
+def add_encoder_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encoder-weights", metavar="PATH",
+                   help="local state dict for the encoder (same as model.encoder.weights=PATH), e.g. for "
+                        "torchvision backbones on a machine that cannot download them")
+
+
+def add_overrides(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help=f"config overrides, e.g. {example}")
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The positional section.key=value overrides, plus those the named options stand for."""
+    extra = [f"model.encoder.weights={args.encoder_weights}"] if getattr(args, "encoder_weights", None) else []
+    return list(args.overrides) + extra
+
+
+def add_decode_options(p: argparse.ArgumentParser) -> None:
+    """Decode settings; left out = the checkpoint's own."""
+    p.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner train`")
+    p.add_argument("--beam", type=int, dest="beam_size", metavar="K",
+                   help="beam size, 1 = greedy (default: the checkpoint's decode settings)")
+    p.add_argument("--max-length", type=int, metavar="N", help="most words per caption (default: the checkpoint's)")
+    p.add_argument("--length-penalty", type=float, metavar="EXPONENT",
+                   help="rank by logprob / length**EXPONENT (default: the checkpoint's)")
+    p.add_argument("--no-repeat-ngram", type=int, metavar="N",
+                   help="never repeat an N-gram (default: the checkpoint's; 0 = off)")
+    p.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
+
+
+def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The decode options given, as DecodeConfig fields (None = the checkpoint's)."""
+    for flag, value in (("--beam", args.beam_size), ("--max-length", args.max_length), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise CaptionerError(f"{flag} must be at least 1, got {value}")
+    if args.no_repeat_ngram is not None and args.no_repeat_ngram < 0:
+        raise CaptionerError(f"--no-repeat-ngram must be 0 (off) or more, got {args.no_repeat_ngram}")
+    return {"beam_size": args.beam_size, "max_length": args.max_length, "length_penalty": args.length_penalty,
+            "no_repeat_ngram": args.no_repeat_ngram}
+
+
+def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found") -> None:
+    """The metric table (and attention grounding when the data has boxes)."""
+    print(f"{'metric':<10}{'score':>8}")
+    for name, value in metrics.items():
+        print(f"{name:<10}{value:>8.4f}" if name != "CIDEr" else f"{'CIDEr-D':<10}{value:>8.4f}")
+    if "METEOR" not in metrics and metrics:
+        print(f"{'METEOR':<10}{'skipped':>8}  ({meteor_note})")
+    if grounding is not None:
+        g = grounding
+        print(f"grounding over {g.words} object words: hit rate {g.hit_rate:.3f} (attention peak in the object's box), "
+              f"mean mass {g.mean_mass:.3f} (attention inside the box)")

@@ -1,0 +1,56 @@
+"""`captioner evaluate`: caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, grounding)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from captioner.cli.common import add_decode_options, add_device, decode_overrides, print_evaluation
+from captioner.errors import CaptionerError
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, grounding)")
+    add_device(p)
+    add_decode_options(p)
+    p.add_argument("--data", help="folder or caption file (layout detected), or 'shapes'; default: the checkpoint's")
+    p.add_argument("--image-root", help="folder holding the images, when not next to the caption file")
+    p.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to score (default test)")
+    p.add_argument("--limit", type=int, help="score only the first N images of the split")
+    p.add_argument("--out", help="write metrics and the generated captions to this JSON file")
+    p.add_argument("--no-meteor", action="store_true", help="skip METEOR (it starts a Java process, ~10 s)")
+    p.set_defaults(func=run)
+
+
+def _tqdm(items, total):
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc="captioning", unit="img")
+
+
+def run(args: argparse.Namespace) -> int:
+    from captioner.decoding.evaluation import evaluate_checkpoint
+
+    settings = decode_overrides(args)
+    if args.limit is not None and args.limit < 1:
+        raise CaptionerError(f"--limit must be at least 1, got {args.limit}")
+    result, data = evaluate_checkpoint(args.checkpoint, args.split, args.data, args.image_root, args.limit,
+                                       args.device, args.batch_size, meteor=False if args.no_meteor else None,
+                                       progress=_tqdm if sys.stderr.isatty() else None, **settings)
+    d = result.decode
+    print(f"data:     {data} ({args.split}: {len(result.captions)} images captioned, {len(result.skipped)} skipped)")
+    print(f"decode:   beam {d.beam_size}, max length {d.max_length}, length penalty {d.length_penalty}"
+          f"{f', no repeat {d.no_repeat_ngram}-grams' if d.no_repeat_ngram else ''}")
+    print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found")
+    for path, reason in result.skipped[:20]:
+        print(f"skipped:  {path}: {reason}")
+    if len(result.skipped) > 20:
+        print(f"skipped:  ... and {len(result.skipped) - 20} more")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"checkpoint": str(args.checkpoint), "data": data, "split": args.split, **result.to_json()}
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0 if result.captions else 1

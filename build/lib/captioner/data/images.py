@@ -1,0 +1,96 @@
+"""Reading image files into RGB PIL images, with one-line errors that name the file.
+
+Pillow's decompression-bomb guard stays on and truncated files are errors (the whole image is
+decoded here with `.load()`, `ImageFile.LOAD_TRUNCATED_IMAGES` is left False).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from captioner.errors import CaptionerError
+
+log = logging.getLogger(__name__)
+
+_ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
+_WHITE = (255, 255, 255)
+
+
+class ImageError(CaptionerError):
+    """An image file that is missing or cannot be decoded: message "PATH: reason"."""
+
+
+def _reason(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """Decode `path` fully and return an RGB image, EXIF orientation applied.
+
+    Grayscale, palette, alpha (composited on white), CMYK and 16/32-bit integer images all
+    become 8-bit RGB. Raises ImageError for a missing, empty, truncated or non-image file.
+    """
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise ImageError(f"{path}: is a folder, not an image file")
+        if path.stat().st_size == 0:
+            raise ImageError(f"{path}: empty file")
+        with Image.open(path) as im:
+            im.load()  # decode everything now: truncated data fails here, not later
+            im = _exif_transpose(im, path)
+            return to_rgb(im)
+    except ImageError:
+        raise
+    except FileNotFoundError:
+        raise ImageError(f"{path}: file not found") from None
+    except PermissionError:
+        raise ImageError(f"{path}: permission denied") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"{path}: not an image (format not recognised)") from None
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"{path}: refused as a possible decompression bomb ({_reason(e)})") from None
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
+        # Pillow raises these for truncated or corrupt data ("image file is truncated", ...)
+        raise ImageError(f"{path}: truncated or corrupt image ({_reason(e)})") from None
+
+
+def _exif_transpose(im: Image.Image, path: Path) -> Image.Image:
+    try:
+        ImageOps.exif_transpose(im, in_place=True)  # no copy when there is nothing to rotate
+        return im
+    except Exception as e:  # a broken EXIF block should not cost the image
+        log.debug("%s: ignoring unreadable EXIF orientation (%s)", path, _reason(e))
+        return im
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB (alpha composited on white, high bit depths rescaled)."""
+    mode = im.mode
+    if mode == "RGB":
+        return im
+    if mode in _ALPHA_MODES or (mode in ("P", "L") and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, _WHITE + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode.startswith("I") or mode == "F":
+        return _high_depth_to_rgb(im)
+    return im.convert("RGB")  # L, 1, P, CMYK, YCbCr, ...
+
+
+def _high_depth_to_rgb(im: Image.Image) -> Image.Image:
+    """16-bit ("I;16*"), 32-bit int ("I") and float ("F") grayscale -> RGB by scaling, not clipping."""
+    arr = np.asarray(im).astype(np.float64)
+    if im.mode.startswith("I;16"):
+        top = 65535.0
+    elif im.mode == "F" and arr.size and float(arr.max()) <= 1.0:
+        top = 1.0
+    else:  # "I" (e.g. a 16-bit PNG) or "F": choose the smallest usual range that holds the data
+        peak = float(arr.max()) if arr.size else 0.0
+        top = 255.0 if peak <= 255 else 65535.0 if peak <= 65535 else peak
+    gray = np.clip(arr / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+    return Image.fromarray(gray).convert("RGB")

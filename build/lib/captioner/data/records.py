@@ -1,0 +1,74 @@
+"""What a data set is once read: `Record`s (an image, its captions, its split, optional object
+boxes) and the pure functions that split them by image."""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from captioner.errors import CaptionerError
+
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+
+
+class SourceError(CaptionerError):
+    """A caption source that cannot be read: "FILE:LINE: reason", "FILE: key 'x': reason", ..."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """An object's box in pixels of the original image (x to the right, y down, x0 < x1, y0 < y1)."""
+
+    label: str
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+
+@dataclass(frozen=True)
+class Record:
+    """One image, its captions, its split ("train" | "val" | "test") and optional object boxes."""
+
+    image: Path
+    captions: tuple[str, ...]
+    split: str
+    boxes: tuple[Box, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"{self.image}: split {self.split!r} is not one of {', '.join(SPLITS)}")
+
+
+def split_records(records: Iterable[Record]) -> dict[str, list[Record]]:
+    """Records grouped by split (every split present as a key, maybe empty)."""
+    out: dict[str, list[Record]] = {s: [] for s in SPLITS}
+    for r in records:
+        out[r.split].append(r)
+    return out
+
+
+def _check_fractions(val_fraction: float, test_fraction: float) -> None:
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise SourceError(
+            f"data.val_fraction={val_fraction}, data.test_fraction={test_fraction}: "
+            "each must be in [0, 1) and their sum below 1"
+        )
+
+
+def assign_splits(records: list[Record], val_fraction: float, test_fraction: float = 0.0, seed: int = 0) -> list[Record]:
+    """Split BY IMAGE with a fixed seed: round(n*fraction) images (at least 1 when the fraction > 0)
+    go to val and test, the rest to train. Independent of the input order. Pure."""
+    _check_fractions(val_fraction, test_fraction)
+    n = len(records)
+    order = sorted(range(n), key=lambda i: str(records[i].image))
+    random.Random(seed).shuffle(order)
+    n_val, n_test = (0 if f == 0 else max(1, round(n * f)) for f in (val_fraction, test_fraction))
+    if n_val + n_test >= n:
+        raise SourceError(f"{n} images are too few for val_fraction={val_fraction}, test_fraction={test_fraction}")
+    split = [""] * n
+    for rank, i in enumerate(order):
+        split[i] = "val" if rank < n_val else "test" if rank < n_val + n_test else "train"
+    return [replace(r, split=s) for r, s in zip(records, split)]
+

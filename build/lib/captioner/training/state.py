@@ -1,0 +1,220 @@
+"""A training run's state, and its checkpoints: what `last.pt` holds so that a resumed run
+continues exactly, and `best.pt`.
+
+`last.pt` is written at the end of every epoch and every `train.checkpoint_every_steps` steps; it
+holds the optimiser, scheduler and scaler states, the position (epoch, batches consumed, step),
+early-stopping state, every rank's RNG states (torch, CUDA, Python, NumPy) and loss sums, and what
+the data order depends on. The run config is stored once, in the checkpoint's `config`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from captioner.config import Config, ConfigError, apply_overrides, load_config, parse_config, to_dict
+from captioner.data.order import EpochBatchSampler, mix_seed, steps_per_epoch
+from captioner.data.vocab import Vocabulary
+from captioner.model.caption_model import CaptionModel
+from captioner.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from captioner.training.distributed import DistInfo, all_gather_objects, barrier, capture_rng, restore_rng
+from captioner.training.loss import LossOutput
+
+log = logging.getLogger(__name__)
+
+LAST, BEST, METRICS, CONFIG = "last.pt", "best.pt", "metrics.jsonl", "config.yaml"
+
+
+@dataclass
+class TrainState:
+    """Where the run is; everything here goes into `last.pt` as plain values."""
+
+    epoch: int = 0  # the epoch being trained (0-based); == epochs when done
+    batch: int = 0  # batches of `epoch` already consumed
+    step: int = 0  # optimiser steps taken
+    best: float | None = None  # best validation value of `train.val_metric`
+    best_step: int = -1
+    bad_validations: int = 0  # validations in a row without improvement (early stopping)
+    last_val_step: int = -1
+
+
+class Meter:
+    """Running sums of the training loss since the last metrics line (kept on the device: no sync per step)."""
+
+    TERMS = len(LossOutput._fields)  # total, xent, coverage, entropy
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: Tensor | None = None  # (TERMS,) caption-weighted loss terms
+        self.captions = self.tokens = self.steps = 0
+        self.seconds = 0.0
+
+    def add(self, loss: LossOutput, captions: int, tokens: int, seconds: float) -> None:
+        values = torch.stack(list(loss)).detach().float() * captions  # (TERMS,)
+        self.sums = values if self.sums is None else self.sums + values
+        self.captions += captions
+        self.tokens += tokens
+        self.steps += 1
+        self.seconds += seconds
+
+    def totals(self) -> list[float]:
+        """[the TERMS loss sums, captions, tokens, steps, seconds] as floats."""
+        sums = self.sums.tolist() if self.sums is not None else [0.0] * self.TERMS
+        return [*sums, float(self.captions), float(self.tokens), float(self.steps), self.seconds]
+
+    def load(self, totals: list[float]) -> None:
+        k = self.TERMS
+        if len(totals) == k + 3:  # written before the entropy term existed
+            totals = [*totals[: k - 1], 0.0, *totals[k - 1:]]
+        self.sums = torch.tensor(totals[:k], dtype=torch.float32) if totals[k] else None
+        self.captions, self.tokens, self.steps = int(totals[k]), int(totals[k + 1]), int(totals[k + 2])
+        self.seconds = float(totals[k + 3])
+
+
+@dataclass
+class Run:
+    """Everything `setup` builds; `fit` runs it."""
+
+    cfg: Config
+    out_dir: Path
+    device: torch.device
+    dist: DistInfo
+    vocab: Vocabulary
+    model: CaptionModel  # the plain model (checkpoints, decoding)
+    net: nn.Module  # what the steps call: the decoder (cached features) or the model, DDP-wrapped when distributed
+    cached: bool
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    train_set: Dataset
+    sampler: EpochBatchSampler
+    val_loader: DataLoader  # this rank's share of the validation images
+    references: dict[int, list[str]]  # val image_id -> raw reference captions
+    meta: dict[str, Any]  # facts for the checkpoints: split sizes, captions
+    state: TrainState = field(default_factory=TrainState)
+    meter: Meter = field(default_factory=Meter)
+    writer: Any = None  # TensorBoard SummaryWriter when tensorboard is installed (rank 0)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # last validation
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(self.sampler.n, self.sampler.batch_size, self.dist.world_size)
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def _train_state(run: Run) -> dict[str, Any]:
+    """What resuming needs. Collective: every rank must call it (RNG states are gathered)."""
+    rngs = all_gather_objects(capture_rng())
+    meters = all_gather_objects(run.meter.totals())
+    return {
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+        "position": asdict(run.state),
+        "meter": meters,  # per rank, like the RNG states
+        "rng": rngs,
+        "data_order": data_order(run),
+    }
+
+
+def data_order(run: Run) -> dict[str, int]:
+    """What the data order depends on: a resume with other values cannot continue it exactly."""
+    sm = run.sampler
+    return {"captions": sm.n, "batch_size": sm.batch_size, "seed": sm.seed, "world_size": sm.world_size,
+            "group_by_image": sm.groups is not None}
+
+
+def _meta(run: Run) -> dict[str, Any]:
+    st = run.state
+    return {**run.meta, "epoch": st.epoch, "step": st.step, "metrics": dict(run.metrics),
+            "best": {"metric": run.cfg.train.val_metric, "value": st.best, "step": st.best_step}}
+
+
+def save_last(run: Run) -> Path:
+    """Write `last.pt` (atomic; rank 0). Collective: call it on every rank."""
+    train_state = _train_state(run)
+    path = run.out_dir / LAST
+    if run.dist.is_main:
+        save_checkpoint(path, run.cfg, run.vocab, run.model.state_dict(), train_state, _meta(run))
+    barrier()
+    return path
+
+
+def save_best(run: Run) -> Path:
+    """Write `best.pt`: the model, vocabulary, config and metrics, no resume state (rank 0 only)."""
+    path = run.out_dir / BEST
+    save_checkpoint(path, run.cfg, run.vocab, run.model.state_dict(), None, _meta(run))
+    return path
+
+
+def restore(run: Run, ts: dict[str, Any]) -> None:
+    """Load optimiser, scheduler, scaler, position and this rank's RNG from a checkpoint's train_state."""
+    try:
+        run.optimizer.load_state_dict(ts["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"the checkpoint's optimiser state does not fit this model ({e})") from None
+    run.scheduler.load_state_dict(ts["scheduler"])
+    if ts.get("scaler"):
+        run.scaler.load_state_dict(ts["scaler"])
+    run.state = TrainState(**ts["position"])
+    order = ts["data_order"]
+    now = data_order(run)
+    if order != now:
+        changed = ", ".join(f"{k} {order.get(k)} -> {v}" for k, v in now.items() if order.get(k) != v)
+        log.warning("the data order differs from the interrupted run's (%s): the resume is not exact%s", changed,
+                    "; the interrupted epoch starts over" if run.state.batch else "")
+        run.state.batch = 0  # a position in the old order means nothing in the new one
+    rngs = ts["rng"]
+    if len(rngs) == run.dist.world_size:
+        restore_rng(rngs[run.dist.rank])
+        run.meter.load(ts["meter"][run.dist.rank])
+    else:
+        log.warning("checkpoint has RNG states of %d processes, this run has %d: reseeding", len(rngs),
+                    run.dist.world_size)
+        torch.manual_seed(mix_seed(run.cfg.train.seed, run.dist.rank, run.state.step))
+    if run.dist.is_main:
+        truncate_metrics(run.out_dir / METRICS, run.state.step)
+    log.info("resumed at epoch %d, batch %d, step %d", run.state.epoch + 1, run.state.batch, run.state.step)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop the lines a killed run wrote after its last checkpoint (they will be written again)."""
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def run_config(config: str | Path | None, overrides: list[str], resume: str | Path | None = None,
+               data: str | None = None) -> Config:
+    """The config of a run: the YAML file with overrides, or, when resuming, the checkpoint's own
+    config with the overrides (e.g. `train.epochs=30`). `data` replaces data.path."""
+    if resume is not None:
+        ckpt = load_checkpoint(resume)
+        if ckpt.train_state is None:
+            raise CheckpointError(f"{resume}: has no training state to resume from (use the run's last.pt)")
+        try:
+            cfg = parse_config(apply_overrides(to_dict(ckpt.config), overrides))
+        except ConfigError as e:
+            raise ConfigError(f"{resume}: {e}") from None
+    else:
+        if config is None:
+            raise ConfigError("give --config FILE (or --resume RUN/last.pt)")
+        cfg = load_config(config, overrides)
+    if data:
+        cfg = replace(cfg, data=replace(cfg.data, path=data))
+    return cfg

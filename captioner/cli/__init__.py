@@ -1,0 +1,36 @@
+"""The `captioner` command: one entry point, a subcommand per job, one module per subcommand.
+
+Each subcommand module has `add(subparsers)`, which declares its arguments, and `run(args) -> int`,
+which calls the library with plain values and prints. Nothing else happens here: the work is the
+library's. `main(argv)` turns a `CaptionerError` into a one-line message and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from captioner.cli import caption, demo, evaluate, prepare, train, visualize
+from captioner.errors import CaptionerError
+
+COMMANDS = (demo, prepare, train, caption, visualize, evaluate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="captioner", description="Image captioning with Bahdanau attention: "
+                                     "train on your captions, caption photos, see where the model looked.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except CaptionerError as e:
+        print(f"captioner: error: {e}", file=sys.stderr)
+        return 2

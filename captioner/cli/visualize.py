@@ -1,0 +1,40 @@
+"""`captioner visualize`: the photo, then one panel per word with where the model looked."""
+from __future__ import annotations
+
+import argparse
+
+from captioner.cli.common import add_decode_options, add_device, decode_overrides
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("visualize", help="draw where the model looked for every word")
+    add_device(p)
+    p.add_argument("image", metavar="IMG", help="the image to caption")
+    add_decode_options(p)
+    p.add_argument("-o", "--out", required=True, help="PNG to write: the photo, then one panel per word")
+    p.add_argument("--per-word", metavar="DIR", help="also write one PNG per word into DIR")
+    p.add_argument("--gif", metavar="OUT.gif", help="also write an animated GIF, one frame per word")
+    p.add_argument("--opacity", "--alpha", type=float, default=0.6, dest="opacity",
+                   help="opacity of the attention colours, 0..1 (default 0.6; --alpha is its old name)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from captioner.data.images import load_image
+    from captioner.decoding.captioner import Captioner
+    from captioner.pictures.figures import plot_attention
+
+    settings = decode_overrides(args)
+    image = load_image(args.image)
+    captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
+    (caption,) = captioner.caption([image], **settings)
+    caption.path = args.image
+    out = plot_attention(image, caption, args.out, per_word_dir=args.per_word, gif_path=args.gif,
+                         opacity=args.opacity)
+    print(f"{args.image}\t{caption.text}")
+    print(f"wrote {out}")
+    if args.per_word:
+        print(f"wrote {len(caption.tokens)} PNGs to {args.per_word}")
+    if args.gif:
+        print(f"wrote {args.gif}")
+    return 0

@@ -1,0 +1,119 @@
+"""Scoring a model on a split: caption the images, compare with the references (BLEU, METEOR,
+ROUGE-L, CIDEr-D) and, where the data has object boxes, score the attention's grounding.
+
+    evaluate_records(captioner, records)   -> Evaluation    (any records, e.g. the demo's test split)
+    evaluate_checkpoint(path, split, ...)  -> Evaluation    (what `captioner evaluate` runs)
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from captioner.config import DecodeConfig
+from captioner.data.images import ImageError
+from captioner.data.records import SPLITS, Record
+from captioner.data.sources import load_records
+from captioner.decoding.captioner import Caption, Captioner
+from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
+from captioner.decoding.metrics import caption_metrics
+from captioner.errors import CaptionerError
+from captioner.model.checkpoint import load_checkpoint
+
+Progress = Callable[[Iterator, int], Iterator]  # (iterator, total) -> the same items, e.g. through a tqdm
+
+
+@dataclass
+class Evaluation:
+    """What an evaluation found.
+
+    metrics: caption metrics (see `caption_metrics`); empty when no image could be captioned.
+    grounding: attention grounding over the images that have boxes, else None.
+    captions: the generated captions, in record order (unreadable images left out).
+    references: image path -> its reference captions, for the captioned images.
+    skipped: (path, reason) of the images that could not be read.
+    decode: the decode settings used.
+    """
+
+    metrics: dict[str, float]
+    grounding: GroundingResult | None
+    captions: list[Caption]
+    references: dict[str, list[str]]
+    skipped: list[tuple[str, str]]
+    decode: DecodeConfig
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "images": len(self.captions),
+            "skipped": [{"path": p, "reason": r} for p, r in self.skipped],
+            "decode": dataclasses.asdict(self.decode),
+            "metrics": self.metrics,
+            "grounding": None if self.grounding is None else dataclasses.asdict(self.grounding),
+            "captions": [{**c.to_json(attention=False), "references": self.references[c.path]} for c in self.captions],
+        }
+
+
+def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size: int = 32,
+                     meteor: bool | None = None, progress: Progress | None = None,
+                     **decode_overrides: Any) -> Evaluation:
+    """Caption the records' images and score the captions against their references.
+
+    Args:
+        captioner: the model to evaluate.
+        records: images with reference captions (and boxes, for grounding).
+        batch_size: images per batch.
+        meteor: see `caption_metrics` (None = when Java is available).
+        progress: optional wrapper around the (path, result) iterator and its length, e.g. a tqdm.
+        decode_overrides: DecodeConfig fields.
+    Returns:
+        An Evaluation; unreadable images are skipped and listed, not fatal.
+    """
+    by_path = {str(r.image): r for r in records}
+    results = captioner.caption_files([str(r.image) for r in records], batch_size, **decode_overrides)
+    captions, skipped = [], []
+    for path, result in progress(results, len(records)) if progress else results:
+        if isinstance(result, ImageError):
+            skipped.append((path, str(result).removeprefix(f"{path}: ")))
+        else:
+            captions.append(result)
+    references = {c.path: list(by_path[c.path].captions) for c in captions}
+    metrics = caption_metrics(references, {c.path: c.text for c in captions}, meteor=meteor) if captions else {}
+    grounded = [GroundingSample(c.tokens, c.attention, c.image_size, by_path[c.path].boxes, c.cells)
+                for c in captions if by_path[c.path].boxes]
+    grounding = grounding_score(grounded) if grounded else None
+    return Evaluation(metrics, grounding, captions, references, skipped, captioner.decode_config(**decode_overrides))
+
+
+def evaluate_checkpoint(checkpoint: str | Path, split: str = "test", data: str | None = None,
+                        image_root: str | Path | None = None, limit: int | None = None,
+                        device: str | torch.device = "auto", batch_size: int = 32, meteor: bool | None = None,
+                        progress: Progress | None = None, **decode_overrides: Any) -> tuple[Evaluation, str]:
+    """Score a checkpoint on a split of its own data set (or of `data`, read with the checkpoint's
+    data settings). Returns the Evaluation and the data path used.
+
+    Args:
+        checkpoint: a checkpoint file.
+        split: "train", "val" or "test".
+        data: another data set (folder, caption file, or "shapes") instead of the checkpoint's.
+        image_root: where the images are, when not next to the caption file.
+        limit: score only the first `limit` images of the split.
+        device, batch_size, meteor, progress, decode_overrides: see `evaluate_records`.
+    Raises:
+        CaptionerError: a bad file, an empty split.
+    """
+    if split not in SPLITS:
+        raise CaptionerError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+    ckpt = load_checkpoint(checkpoint)
+    data_cfg = ckpt.config.data if data is None else dataclasses.replace(ckpt.config.data, path=str(data))
+    records = load_records(data_cfg, image_root)
+    chosen = [r for r in records if r.split == split][:limit]
+    if not chosen:
+        counts = ", ".join(f"{s} {sum(r.split == s for r in records)}" for s in SPLITS)
+        raise CaptionerError(f"{data_cfg.path}: no images in split '{split}' ({counts}); choose another with --split")
+    captioner = Captioner.from_checkpoint(ckpt, device)
+    del ckpt  # the optimiser state, if any, is not needed
+    return evaluate_records(captioner, chosen, batch_size, meteor, progress, **decode_overrides), str(data_cfg.path)

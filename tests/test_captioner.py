@@ -1,0 +1,148 @@
+import json
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from captioner.cli import main
+from captioner.config import Config, DataConfig, DecodeConfig, DecoderConfig, EncoderConfig, ModelConfig
+from captioner.data.images import ImageError
+from captioner.data.vocab import build_vocabulary
+from captioner.decoding.captioner import Captioner
+from captioner.decoding.metrics import caption_metrics
+from captioner.model import build_model
+from captioner.model.checkpoint import save_checkpoint
+
+CAPTIONS = ["a red circle to the left of a blue square", "a green triangle above a yellow circle",
+            "there is a purple square"]
+MODEL = ModelConfig(encoder=EncoderConfig(name="random", image_size=64),
+                    decoder=DecoderConfig(embed_dim=16, hidden_dim=32, attention_dim=16, dropout=0.0))
+
+
+def _save(path, **sections):
+    """A checkpoint of an untrained model; `sections` (data=..., decode=...) go into its config."""
+    vocab = build_vocabulary(CAPTIONS)
+    model = build_model(MODEL, len(vocab), pretrained=False)
+    with torch.no_grad():
+        model.decoder.readout.weight.mul_(4.0)  # peaked word distributions: no near-ties between batch sizes
+    return save_checkpoint(path, Config(model=MODEL, **sections), vocab, model.state_dict())
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return _save(tmp_path / "tiny.pt")
+
+
+def _image(seed: int, size=(80, 60)) -> PIL.Image.Image:
+    rng = np.random.default_rng(seed)
+    return PIL.Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def folder(tmp_path):
+    d = tmp_path / "images"
+    d.mkdir()
+    for i in range(3):
+        _image(i, (80 + 10 * i, 60)).save(d / f"im{i}.png")
+    (d / "im1_corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg")
+    (d / "notes.txt").write_text("not an image, skipped by extension")
+    return d
+
+
+def test_captions_carry_normalised_attention_per_word(checkpoint):
+    captioner = Captioner.from_checkpoint(checkpoint, device="cpu", decode=DecodeConfig(beam_size=3, max_length=6))
+    images = [_image(i) for i in range(5)]
+    captions = captioner.caption(images, batch_size=2)
+    assert len(captions) == 5 and captioner.grid == (4, 4)
+    for c, im in zip(captions, images):
+        assert c.tokens and c.text == " ".join(c.tokens) and c.image_size == im.size and c.path is None
+        assert c.attention.dtype == np.float32 and c.attention.shape == (len(c.tokens), 4, 4)
+        np.testing.assert_allclose(c.attention.sum(axis=(1, 2)), 1.0, rtol=0, atol=1e-6)
+        assert not {"<pad>", "<start>", "<end>", "<unk>"} & set(c.tokens)
+    together = captioner.caption(images, batch_size=5)
+    assert [c.text for c in together] == [c.text for c in captions]
+    np.testing.assert_allclose([c.score for c in together], [c.score for c in captions], atol=1e-5)
+
+
+def test_decode_overrides(checkpoint):
+    captioner = Captioner.from_checkpoint(checkpoint, device="cpu")
+    assert captioner.decode == DecodeConfig()
+    (short,) = captioner.caption([_image(0)], beam_size=1, max_length=2)
+    assert 1 <= len(short.tokens) <= 2
+    with pytest.raises(TypeError, match="beam"):
+        captioner.caption([_image(0)], beam=2)
+
+
+def test_decode_settings_come_from_the_checkpoint(tmp_path):
+    path = _save(tmp_path / "m.pt", decode=DecodeConfig(beam_size=2, max_length=7))
+    assert Captioner.from_checkpoint(path, device="cpu").decode == DecodeConfig(beam_size=2, max_length=7)
+
+
+def test_caption_files_skips_unreadable_images_in_order(checkpoint, folder):
+    captioner = Captioner.from_checkpoint(checkpoint, device="cpu")
+    paths = sorted(str(p) for p in folder.glob("im*"))
+    results = list(captioner.caption_files(paths, batch_size=2, beam_size=2, max_length=4))
+    assert [p for p, _ in results] == paths
+    kinds = [type(r).__name__ for _, r in results]
+    assert kinds == ["Caption", "Caption", "ImageError", "Caption"]
+    assert all(r.path == p for p, r in results if not isinstance(r, ImageError))
+    with pytest.raises(ImageError, match="im1_corrupt.jpg"):
+        captioner.caption(paths)
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def test_cli_caption_a_folder_with_a_corrupt_image(checkpoint, folder, capsys):
+    code = main(["caption", str(folder), "--checkpoint", str(checkpoint), "--beam", "2", "--max-length", "5",
+                 "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code != 0
+    lines = out.splitlines()
+    assert [line.split("\t")[0] for line in lines] == [str(folder / f"im{i}.png") for i in range(3)]
+    assert all(line.split("\t")[1] for line in lines)
+    errors = [line for line in err.splitlines() if line.startswith("captioner: error:")]
+    assert errors == [errors[0]] and f"captioner: error: {folder / 'im1_corrupt.jpg'}: " in errors[0]
+
+
+def test_cli_caption_json_and_globs(checkpoint, folder, capsys):
+    code = main(["caption", str(folder / "im*.png"), "--checkpoint", str(checkpoint), "--json", "--beam", "3",
+                 "--device", "cpu"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert set(row) >= {"path", "caption", "tokens", "score", "attention"}
+        att = np.array(row["attention"])
+        assert att.shape == (len(row["tokens"]), 4, 4)  # words x rows x cols
+        np.testing.assert_allclose(att.sum(axis=(1, 2)), 1.0, atol=1e-6)
+
+
+def test_cli_evaluate_on_shapes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
+    ckpt = _save(tmp_path / "m.pt", data=DataConfig(path="shapes", shapes_images=30))
+    out_json = tmp_path / "results.json"
+    code = main(["evaluate", "--checkpoint", str(ckpt), "--data", "shapes", "--split", "test", "--out", str(out_json),
+                 "--beam", "2", "--no-meteor", "--device", "cpu"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "CIDEr-D" in out and "Bleu_4" in out and "METEOR" in out and "grounding over" in out
+    report = json.loads(out_json.read_text())
+    assert report["images"] == 3 and report["split"] == "test" and report["grounding"] is not None
+    refs = {c["path"]: c["references"] for c in report["captions"]}
+    hyps = {c["path"]: c["caption"] for c in report["captions"]}
+    assert report["metrics"] == pytest.approx(caption_metrics(refs, hyps, meteor=False))
+    assert 0.0 <= report["grounding"]["hit_rate"] <= 1.0
+
+
+def test_cli_evaluate_reports_an_empty_split(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "captions.txt"
+    (tmp_path / "Images").mkdir()
+    for i in range(12):
+        _image(i, (16, 16)).save(tmp_path / "Images" / f"{i}.jpg")
+    data.write_text("image,caption\n" + "".join(f"{i}.jpg,a red circle\n" for i in range(12)))  # train/val only
+    code = main(["evaluate", "--checkpoint", str(_save(tmp_path / "m.pt")), "--data", str(data), "--device", "cpu"])
+    assert code == 2 and "no images in split 'test'" in capsys.readouterr().err

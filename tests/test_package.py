@@ -1,0 +1,55 @@
+"""The package as users install it: a wheel (not the editable checkout) runs `captioner demo` and
+carries every shipped config."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The project built into a wheel and installed (without dependencies: they are this venv's)
+    into a folder of its own."""
+    tmp = tmp_path_factory.mktemp("install")
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "wheels"), str(ROOT)],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp / "wheels").glob("captioner-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
+                   check=True, capture_output=True)
+    return tmp / "site"
+
+
+def _run(site: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run(args, env=env, cwd=site.parent, capture_output=True, text=True, timeout=120)
+
+
+def test_the_installed_package_is_the_one_that_runs(installed):
+    out = _run(installed, sys.executable, "-c", "import captioner; print(captioner.__file__)")
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).is_relative_to(installed)
+
+
+def test_captioner_demo_runs_from_the_wheel(installed):
+    out = _run(installed, str(installed / "bin" / "captioner"), "demo", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "shapes" in out.stdout and "--out" in out.stdout
+
+
+def test_every_shipped_config_loads_from_the_wheel(installed):
+    code = ("from captioner.config import CONFIG_DIR, load_config, shipped_configs\n"
+            "names = shipped_configs()\n"
+            "configs = [load_config(n) for n in names]\n"
+            "print(CONFIG_DIR, *names, configs[names.index('shapes')].model.decoder.attend)")
+    out = _run(installed, sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    folder, *names, attend = out.stdout.split()
+    assert Path(folder).is_relative_to(installed)
+    assert names == ["coco", "flickr8k", "flickr8k-800", "shapes"] and attend == "after"
