@@ -1,8 +1,13 @@
-"""Feature cache: computed once, reused while valid, rebuilt when the encoder or an image changes,
-broken and missing images skipped and counted."""
+"""Feature cache: computed once, reused while valid, re-encoded when the encoder or an image changes,
+broken and missing images skipped and counted; shards never rewritten, a killed build resumed."""
 import io
 import os
 import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +16,7 @@ import torch
 from PIL import Image
 
 from captioner.config import EncoderConfig
-from captioner.data.cache import FEATURES, INDEX, FeatureCache
+from captioner.data.cache import FeatureCache
 from captioner.data.cache_build import build_cache
 from captioner.data.images import load_image
 from captioner.data.records import Record
@@ -74,7 +79,8 @@ def test_build_skips_broken_and_missing_images_and_stores_the_grid(tmp_path, enc
         expected = encoder(encoder.transform()(load_image(good[3]))[None])[0].numpy()
     np.testing.assert_allclose(feats.astype(np.float32), expected, rtol=1e-2, atol=1e-2)
     assert good[0] in cache and tmp_path / "img" / "text.jpg" not in cache
-    assert (cache.folder / FEATURES).stat().st_size == cache.nbytes == 5 * 16 * encoder.out_dim * 2
+    on_disk = sum(p.stat().st_size for p in cache.folder.glob("shard-*.f16"))
+    assert on_disk == cache.nbytes == 5 * 16 * encoder.out_dim * 2
 
 
 def test_valid_cache_is_reused_without_recompute(tmp_path, encoder, monkeypatch):
@@ -83,7 +89,7 @@ def test_valid_cache_is_reused_without_recompute(tmp_path, encoder, monkeypatch)
     counter = Counting(encoder, monkeypatch)
     result = build_cache(good, encoder, tmp_path / "cache", progress=False)
     assert (result.built, result.reused, counter.n) == (0, 4, 0)
-    again = FeatureCache.open(result.cache.folder, encoder.cache_key())
+    again = FeatureCache.open(result.cache.folder, encoder.cache_key(), encoder.grid, encoder.out_dim)
     np.testing.assert_array_equal(again.get(good[1]), result.cache.get(good[1]))
 
 
@@ -120,26 +126,68 @@ def test_new_encoder_key_gets_its_own_cache(tmp_path, encoder):
     assert b.cache.grid == (6, 6)
 
 
-def test_added_images_are_appended_and_other_rows_kept(tmp_path, encoder):
+def test_added_images_go_into_new_shards_and_old_ones_are_never_rewritten(tmp_path, encoder):
     good = _good(tmp_path / "img", 5)
-    build_cache(good[:3], encoder, tmp_path / "cache", progress=False)
-    result = build_cache(good[3:], encoder, tmp_path / "cache", progress=False)
-    assert (result.built, result.reused) == (2, 0) and len(result.cache) == 5
+    first = build_cache(good[:3], encoder, tmp_path / "cache", progress=False).cache
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in first.folder.glob("shard-*")}
+    result = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert (result.built, result.reused) == (2, 3) and len(result.cache) == 5 and result.cache.shards == 2
     assert all(p in result.cache for p in good)
+    assert {name: (result.cache.folder / name).read_bytes() for name in before} == {n: b for n, (b, _) in before.items()}
+    assert all((result.cache.folder / n).stat().st_mtime_ns == m for n, (_, m) in before.items())
 
 
-def test_killed_or_corrupt_cache_is_ignored_and_rebuilt(tmp_path, encoder):
+def test_damaged_shards_are_ignored_and_their_images_encoded_again(tmp_path, encoder):
     good = _good(tmp_path / "img", 3)
     folder = build_cache(good, encoder, tmp_path / "cache", progress=False).cache.folder
-    (folder / INDEX).unlink()  # as if killed between publishing the features and the index
+    (shard,) = folder.glob("shard-*.json")
+    shard.write_text("{broken")
     assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 3
-    with open(folder / FEATURES, "r+b") as f:
+    with open(folder / "shard-00001.f16", "r+b") as f:
         f.truncate(100)  # features do not match the index
-    assert FeatureCache.open(folder) is None
     assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 3
-    (folder / INDEX).write_text("{broken")
-    assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 3
-    assert not list(folder.glob("*.tmp"))
+    assert not list(folder.glob("*.tmp")) and not list(folder.glob(".*.tmp"))
+
+
+KILLED_BUILD = """
+import sys, time
+import captioner.data.cache_build as cache_build
+from captioner.config import EncoderConfig
+from captioner.model.encoder import build_encoder
+
+cache_build.SHARD_BYTES = 2 * 16 * 32 * 2  # two 4x4x32 float16 grids per shard
+encoder = build_encoder(EncoderConfig(name="random", image_size=64))
+infer = encoder.infer
+encoder.infer = lambda images: (time.sleep(0.15), infer(images))[1]  # slow enough to be killed mid-build
+cache_build.build_cache(sys.argv[2:], encoder, sys.argv[1], batch_size=1, progress=False)
+"""
+
+
+def test_a_sigkilled_build_keeps_its_finished_shards_and_the_next_one_reuses_them(tmp_path, encoder):
+    good = [str(p) for p in _good(tmp_path / "img", 12)]
+    cache_dir = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_BUILD), str(cache_dir), *good],
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+
+    def mid_shard() -> bool:  # two shards published, a third being written
+        return len(list(cache_dir.glob("*/shard-*.json"))) >= 2 and bool(list(cache_dir.glob("*/.shard-*.tmp")))
+
+    while not mid_shard() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    (folder,) = cache_dir.iterdir()
+    finished = len(list(folder.glob("shard-*.json")))
+    assert 2 <= finished < 6 and list(folder.glob(".*.tmp"))  # killed while writing the next shard
+
+    result = build_cache(good, encoder, cache_dir, batch_size=1, progress=False)
+    assert result.reused == 2 * finished and result.built == 12 - 2 * finished
+    assert len(result.cache) == 12 and not list(folder.glob(".*.tmp"))
+    with torch.inference_mode():  # the rows written before the kill are the right ones
+        expected = encoder(encoder.transform()(load_image(good[0]))[None])[0].numpy()
+    np.testing.assert_allclose(result.cache.get(good[0]).astype(np.float32), expected, rtol=1e-2, atol=1e-2)
 
 
 def test_encoder_state_is_restored_and_cache_pickles_small(tmp_path, encoder):
@@ -147,7 +195,7 @@ def test_encoder_state_is_restored_and_cache_pickles_small(tmp_path, encoder):
     result = build_cache(_good(tmp_path / "img", 2), encoder, tmp_path / "cache", progress=False)
     assert encoder.training
     cache = result.cache
-    _ = cache.features
+    cache.get_row(0)  # the shard is memory-mapped now
     blob = pickle.dumps(cache)
     assert len(blob) < 4000
     assert pickle.loads(blob).get(tmp_path / "img" / "img0.png").shape == (16, encoder.out_dim)
@@ -157,8 +205,7 @@ def test_all_images_broken_gives_an_empty_cache(tmp_path, encoder):
     (tmp_path / "img").mkdir()
     broken = _broken(tmp_path / "img")
     result = build_cache(list(broken), encoder, tmp_path / "cache", progress=False)
-    assert result.built == 0 and len(result.skipped) == 4 and len(result.cache) == 0
-    assert result.cache.features.shape == (0, 16, encoder.out_dim)
+    assert result.built == 0 and len(result.skipped) == 4 and len(result.cache) == 0 and result.cache.nbytes == 0
 
 
 def test_trainable_encoder_is_refused(tmp_path):

@@ -1,5 +1,8 @@
+import errno
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +127,81 @@ def test_a_version_1_run_resumes(tmp_path, monkeypatch):
     result = train(cfg, run, "cpu", resume=run / "last.pt")
     assert (result.epochs, result.steps) == (7, 70)  # 6 epochs of 10 steps were done
     assert load_checkpoint(result.last).train_state["position"]["epoch"] == 7
+
+
+def test_a_checkpoint_with_nan_weights_is_refused(tmp_path):
+    model, _ = _saved(tmp_path)
+    state = model.state_dict()
+    state["decoder.readout.bias"][3] = float("nan")
+    path = save_checkpoint(tmp_path / "diverged.pt", Config(model=CFG), VOCAB, state)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    _one_line(e, "diverged.pt", "NaN", "decoder.readout.bias")
+
+
+def test_a_truncated_checkpoint_is_reported_as_truncated(tmp_path):
+    _, path = _saved(tmp_path)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(cut)
+    _one_line(e, "cut.pt", "truncated")
+    assert "not a PyTorch file" not in str(e.value)
+
+
+def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "captioner", "version": 2, "model": Payload()}, evil)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(evil)
+    _one_line(e, "evil.pt", "refused", "may contain code", "not loaded")
+    assert "weights_only" not in str(e.value) and "\x1b" not in str(e.value)
+    assert not marker.exists()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 256 KB tmpfs when this machine lets the test mount one (root on Linux); else None."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_disk, monkeypatch):
+    model = build_model(CFG, len(VOCAB))
+    small = {k: v for k, v in model.state_dict().items() if k.startswith("decoder.embedding")}
+    folder = tiny_disk or tmp_path
+    previous = save_checkpoint(folder / "last.pt", Config(model=CFG), VOCAB, small)
+    before = previous.read_bytes()
+    big = {**small, "padding": torch.zeros(200_000)}  # 800 KB: does not fit on the 256 KB disk
+    if tiny_disk is None:  # no tmpfs here: the writer fails as a full disk does
+        real_open = os.fdopen
+
+        def full_disk(fd, mode="r", *args, **kwargs):
+            f = real_open(fd, mode, *args, **kwargs)
+            if "w" in mode:
+                def write(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                f.write = write
+            return f
+
+        monkeypatch.setattr(os, "fdopen", full_disk)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(folder / "last.pt", Config(model=CFG), VOCAB, big)
+    _one_line(e, "last.pt", "No space left on device", "unchanged")
+    monkeypatch.undo()
+    assert previous.read_bytes() == before and load_checkpoint(previous).vocab == VOCAB
+    assert [p.name for p in folder.iterdir()] == ["last.pt"]  # no temporary file left behind

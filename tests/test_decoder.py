@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from captioner.config import DecoderConfig
+from captioner.config import ConfigError, DecoderConfig
 from captioner.model.decoder import AttentionDecoder
 from captioner.training.loss import caption_loss
 
@@ -141,5 +141,5 @@ def test_attend_after_queries_with_the_word_just_read():
     first = after(features, tokens, lengths).alphas[:2]
     assert not torch.allclose(first[0], first[1])
     assert after.init_hidden(after.memory(features)).shape == (2, CFG.hidden_dim + CFG.feature_dim)
-    with pytest.raises(ValueError, match="decoder.attend"):
+    with pytest.raises(ConfigError, match="model.decoder.attend"):
         AttentionDecoder(V, D, dataclasses.replace(CFG, attend="later"), grid=GRID)

@@ -99,3 +99,11 @@ def test_fixed_numbers_for_a_fixed_example(java, monkeypatch):
     # ROUGE-L of "a dog runs" vs "a cat runs fast": LCS 2 ("a runs"), P = 2/3, R = 2/4, beta 1.2
     p, r, beta = 2 / 3, 2 / 4, 1.2
     assert alone["ROUGE_L"] == pytest.approx((1 + beta**2) * p * r / (r + beta**2 * p), rel=1e-6)
+
+
+def test_the_config_names_exactly_the_metrics_computed():
+    import typing
+
+    from captioner.config.schema import MetricName
+
+    assert typing.get_args(MetricName) == metrics.METRIC_NAMES

@@ -1,13 +1,22 @@
-"""On-disk feature cache: with a frozen encoder each image's grid is computed once.
+"""On-disk feature cache: with a frozen encoder each image's grid is computed once, for every run.
 
-Layout, in `<cache_dir>/<encoder.cache_key()>/`:
+Layout, in `<cache_dir>/<name>-<size>-<hash of the key>/` (cache_dir: `data.cache_dir`, default
+`$CAPTIONER_CACHE/features`, shared by `prepare` and `train`):
 
-    features.f16   raw float16 array (N, L, D), read with np.memmap
-    index.json     {"version", "key", "shape": [N, L, D], "grid": [H', W'],
-                    "images": [[absolute path, size, mtime_ns], ...]}   (row i = images[i])
+    shard-00000.f16    raw float16 array (n, L, D), read with np.memmap
+    shard-00000.json   {"version", "key", "grid": [H', W'], "dim": D,
+                        "images": [[absolute path, size, mtime_ns], ...]}    (row i = images[i])
+    shard-00001.f16 ...
+    failed-00000.json  {"version", "key", "images": [[absolute path, size, mtime_ns, reason], ...]}: files
+                       that could not be read, skipped without another try until they change
 
-An image is identified by absolute path + size + mtime_ns, so an edited image is recomputed and
-a stale row is never served. `captioner.data.cache_build` fills the cache.
+The key (`Encoder.cache_key()`) names everything the features depend on: backbone, input size,
+resize and normalisation, a digest of the weights actually loaded, and the timm and torchvision
+versions. A shard is written once and never rewritten: its `.f16` first, its `.json` last (each a
+temporary file renamed into place), so a shard exists exactly when its `.json` does, and a build
+killed at any moment loses at most the shard it was writing. Appending images writes new shards.
+An image is identified by absolute path + size + mtime_ns, so an edited image is encoded again (the
+newest shard wins) and a stale row is never served. `captioner.data.cache_build` writes shards.
 """
 from __future__ import annotations
 
@@ -20,12 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from captioner.config import DataConfig
+from captioner.files import cache_home
+
 log = logging.getLogger(__name__)
 
-VERSION = 1
-INDEX = "index.json"
-FEATURES = "features.f16"
-
+VERSION = 2
+SHARD_GLOB = "shard-*.json"
+FAILED_GLOB = "failed-*.json"
 
 Identity = tuple[str, int, int]  # (absolute path, size in bytes, mtime_ns)
 
@@ -37,69 +48,78 @@ def image_identity(path: str | Path) -> Identity:
     return str(path), st.st_size, st.st_mtime_ns
 
 
+def cache_dir_of(cfg: DataConfig) -> Path:
+    """Where a data section's feature caches live: `data.cache_dir`, else `$CAPTIONER_CACHE/features`,
+    the same for `captioner prepare` and `captioner train`, so one encodes and the other reuses."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_home() / "features"
+
+
 def folder_name(key: str) -> str:
-    """A file-system-safe folder name for a cache key (hash suffix when characters were replaced)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[:80]
-    return safe if safe == key else f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    """A short, file-system-safe folder for a cache key: its first two parts (backbone, size) for
+    people, a hash of the whole key for uniqueness."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(key.split("-")[:2]))[:60]
+    return f"{readable}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
 
 class FeatureCache:
-    """Read access to one cache folder. `get(path) -> (L, D) float16` for a cached, unchanged image.
+    """Read access to one cache folder: `row(path)` -> a row index (None when absent or the file
+    changed since), `get_row(row)` -> (L, D) float16. Picklable without copying the features (the
+    shards are memory-mapped lazily in each process)."""
 
-    Picklable without copying the features (the memmap is reopened lazily in each process).
-    """
-
-    def __init__(self, folder: Path, key: str, grid: tuple[int, int], dim: int, images: list[Identity]) -> None:
+    def __init__(self, folder: Path, key: str, grid: tuple[int, int], dim: int,
+                 shards: list[tuple[str, list[Identity]]]) -> None:
         self.folder = Path(folder)
         self.key = key
         self.grid = (int(grid[0]), int(grid[1]))
         self.dim = int(dim)
-        self._rows = {p: (row, size, mtime) for row, (p, size, mtime) in enumerate(images)}
-        self._images = list(images)
-        self._features: np.ndarray | None = None
+        self._shards = [name for name, _ in shards]  # shard file stems, oldest first
+        self._where: list[tuple[int, int]] = []  # global row -> (shard, row within the shard)
+        self._rows: dict[str, tuple[int, int, int]] = {}  # path -> (global row, size, mtime); newest wins
+        for s, (_, images) in enumerate(shards):
+            for r, (path, size, mtime) in enumerate(images):
+                self._rows[path] = (len(self._where), size, mtime)
+                self._where.append((s, r))
+        self._counts = [len(images) for _, images in shards]
+        self._maps: dict[int, np.ndarray] = {}
+        self._failed: dict[str, tuple[int, int, str]] = {}  # path -> (size, mtime, reason)
 
-    # --- opening ------------------------------------------------------------------------------
     @classmethod
-    def open(cls, folder: str | Path, key: str | None = None) -> FeatureCache | None:
-        """The cache in `folder`, or None when it is missing, for another key, or inconsistent."""
+    def open(cls, folder: str | Path, key: str, grid: tuple[int, int], dim: int) -> FeatureCache:
+        """The shards in `folder` made with `key` (an empty cache when there are none). A shard whose
+        index or size does not fit is skipped with a log line, never served."""
         folder = Path(folder)
-        try:
-            index = json.loads((folder / INDEX).read_text())
-            n, length, dim = (int(x) for x in index["shape"])
-            grid = tuple(int(x) for x in index["grid"])
-            images = [(str(p), int(s), int(m)) for p, s, m in index["images"]]
-            ok = (index.get("version") == VERSION and (key is None or index["key"] == key)
-                  and len(images) == n and grid[0] * grid[1] == length
-                  and (folder / FEATURES).stat().st_size == n * length * dim * 2)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.info("%s: ignoring an unreadable feature cache (%s)", folder, e)
-            return None
-        if not ok:
-            log.info("%s: ignoring a feature cache that does not match (key, version or size)", folder)
-            return None
-        return cls(folder, index["key"], grid, dim, images)  # type: ignore[arg-type]
+        shards = []
+        for index in sorted(folder.glob(SHARD_GLOB)):
+            images = _read_shard(index, key, grid, dim)
+            if images is not None:
+                shards.append((index.stem, images))
+        cache = cls(folder, key, grid, dim, shards)
+        for record in sorted(folder.glob(FAILED_GLOB)):
+            try:
+                meta = json.loads(record.read_text())
+                if meta.get("version") == VERSION and meta.get("key") == key:
+                    cache._failed.update({p: (int(s), int(m), str(r)) for p, s, m, r in meta["images"]})
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("%s: ignoring an unreadable record of failed images", record)
+        return cache
 
-    # --- reading ------------------------------------------------------------------------------
+    def failure(self, ident: Identity) -> str | None:
+        """Why this exact file (same size and mtime) could not be read last time, or None."""
+        hit = self._failed.get(ident[0])
+        return hit[2] if hit is not None and hit[:2] == ident[1:] else None
+
     @property
     def length(self) -> int:
         """L = H'·W', regions per image."""
         return self.grid[0] * self.grid[1]
 
-    @property
-    def features(self) -> np.ndarray:
-        """All rows, (N, L, D) float16 (a read-only memmap)."""
-        if self._features is None:
-            shape = (len(self._images), self.length, self.dim)
-            if shape[0] == 0:
-                self._features = np.zeros(shape, np.float16)
-            else:
-                self._features = np.memmap(self.folder / FEATURES, dtype=np.float16, mode="r", shape=shape)
-        return self._features
-
     def __len__(self) -> int:
-        return len(self._images)
+        """Images with a row (each image once, its newest row)."""
+        return len(self._rows)
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
 
     def row(self, path: str | Path) -> int | None:
         """The row holding `path`'s features, or None when absent or the file changed since."""
@@ -107,36 +127,56 @@ class FeatureCache:
             p, size, mtime = image_identity(path)
         except OSError:
             return None
-        hit = self._rows.get(p)
-        return hit[0] if hit is not None and hit[1:] == (size, mtime) else None
+        return self.row_of((p, size, mtime))
 
-    def _row_of(self, ident: Identity) -> int | None:
+    def row_of(self, ident: Identity) -> int | None:
         hit = self._rows.get(ident[0])
         return hit[0] if hit is not None and hit[1:] == ident[1:] else None
 
     def __contains__(self, path: object) -> bool:
         return isinstance(path, (str, Path)) and self.row(path) is not None
 
+    def get_row(self, row: int) -> np.ndarray:
+        """(L, D) float16 features of row `row` (see `row`)."""
+        shard, r = self._where[row]
+        if shard not in self._maps:
+            self._maps[shard] = np.memmap(self.folder / f"{self._shards[shard]}.f16", dtype=np.float16, mode="r",
+                                          shape=(self._counts[shard], self.length, self.dim))
+        return self._maps[shard][r]
+
     def get(self, path: str | Path) -> np.ndarray:
         """(L, D) float16 features of `path`; KeyError when not cached or changed since."""
         row = self.row(path)
         if row is None:
             raise KeyError(f"{path}: not in the feature cache {self.folder} (or changed since)")
-        return self.features[row]
-
-    def get_row(self, row: int) -> np.ndarray:
-        """(L, D) float16 features of row `row` (see `row`)."""
-        return self.features[row]
+        return self.get_row(row)
 
     @property
     def nbytes(self) -> int:
-        """Size of the features file in bytes."""
-        return len(self._images) * self.length * self.dim * 2
+        """Size of the shards on disk, in bytes."""
+        return sum(self._counts) * self.length * self.dim * 2
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_features"] = None  # never pickle the memmap (that would copy all features)
+        state["_maps"] = {}  # never pickle the memmaps (that would copy all features)
         return state
 
     def __repr__(self) -> str:
-        return f"FeatureCache({self.folder}, {len(self)} images, grid {self.grid}, dim {self.dim})"
+        return f"FeatureCache({self.folder}, {len(self)} images in {self.shards} shards, grid {self.grid}, dim {self.dim})"
+
+
+def _read_shard(index: Path, key: str, grid: tuple[int, int], dim: int) -> list[Identity] | None:
+    """A shard's image identities, or None (logged) when it is unreadable or not of this cache."""
+    try:
+        meta = json.loads(index.read_text())
+        images = [(str(p), int(s), int(m)) for p, s, m in meta["images"]]
+        fits = (meta.get("version") == VERSION and meta["key"] == key and tuple(meta["grid"]) == tuple(grid)
+                and int(meta["dim"]) == dim)
+        size = index.with_suffix(".f16").stat().st_size
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s: ignoring an unreadable cache shard (%s)", index, e)
+        return None
+    if not fits or size != len(images) * grid[0] * grid[1] * dim * 2:
+        log.warning("%s: ignoring a cache shard that does not match its key or size", index)
+        return None
+    return images

@@ -1,10 +1,10 @@
 """Filling the feature cache (`captioner.data.cache`): encode the images that are not cached yet.
 
 `build_cache(records, encoder, cache_dir)` reuses every valid row, encodes missing or changed
-images, and skips (and lists) unreadable ones. A build writes a new features file under a temporary
-name and then publishes it: index.json removed, features renamed into place, the new index written
-last (temp + rename). A build killed at any point leaves either the old cache, or no index (ignored,
-rebuilt). Concurrent builds of one folder (e.g. several DDP ranks) are serialised with a file lock.
+images into new shards (never rewriting one), and skips (and lists) unreadable ones. Shards are
+published one by one as they fill, so a build killed with SIGKILL keeps every finished shard for
+the next run. The next build removes what a killed one left half-written. Concurrent builds of
+one folder (several DDP ranks, `prepare` next to `train`) take turns through a file lock.
 """
 from __future__ import annotations
 
@@ -12,24 +12,24 @@ import contextlib
 import json
 import logging
 import os
-import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.data.cache import FEATURES, INDEX, VERSION, FeatureCache, Identity, folder_name, image_identity
+from captioner.data.cache import FAILED_GLOB, SHARD_GLOB, VERSION, FeatureCache, Identity, folder_name, image_identity
 from captioner.data.images import ImageError, load_image
 from captioner.data.records import Record
+from captioner.files import atomic_write_text, remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 
-_COPY_CHUNK = 512  # rows copied at a time from an old cache into a new one
+SHARD_BYTES = 64 << 20  # a shard holds about this much: a kill costs at most one shard of work
 
 
 class GridEncoder(Protocol):
@@ -41,7 +41,7 @@ class GridEncoder(Protocol):
     out_dim: int
     training: bool
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor: ...
+    def infer(self, images: torch.Tensor) -> torch.Tensor: ...
     def transform(self, train: bool = False) -> Callable: ...
     def cache_key(self) -> str: ...
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
@@ -52,12 +52,102 @@ class GridEncoder(Protocol):
 
 @dataclass
 class CacheResult:
-    """What `build_cache` did: the cache, images computed now, images reused, images skipped."""
+    """What `build_cache` did: the cache, images encoded now, images found cached, images skipped."""
 
     cache: FeatureCache
     built: int
     reused: int
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def build_cache(
+    items: Iterable[Record | str | Path],
+    encoder: GridEncoder,
+    cache_dir: str | Path,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+    progress: bool = True,
+) -> CacheResult:
+    """Make sure every image of `items` (records or paths) has its grid in the cache.
+
+    Valid rows are reused; missing or changed images are encoded (eval transform, inference mode,
+    on `device`) into new shards; unreadable or missing files are logged and listed in `skipped`.
+    The encoder must be frozen; it is returned to its device and train/eval mode afterwards.
+    """
+    if not encoder.frozen:
+        raise ValueError("build_cache needs a frozen encoder (model.encoder.trainable_stages=0)")
+    key = encoder.cache_key()
+    grid, dim = tuple(encoder.grid), int(encoder.out_dim)
+    folder = Path(cache_dir).expanduser() / folder_name(key)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        removed = remove_stale_temporaries(folder)  # a killed build's half-written shard
+        for orphan in folder.glob("shard-*.f16"):  # killed between publishing a shard's features and its index
+            if not orphan.with_suffix(".json").exists():
+                orphan.unlink()
+                removed += 1
+        if removed:
+            log.info("%s: removed %d files a killed build left", folder, removed)
+        old = FeatureCache.open(folder, key, grid, dim)
+        todo, reused, skipped = _plan(_paths_of(items), old)
+        built, failed = 0, []
+        if todo:
+            built, failed = _encode(folder, key, grid, dim, len(old._shards), todo, encoder, batch_size,
+                                    torch.device(device), num_workers, progress)
+        cache = FeatureCache.open(folder, key, grid, dim) if todo else old
+    skipped += failed
+    log.info("%s: %d images encoded, %d reused, %d skipped", folder, built, reused, len(skipped))
+    return CacheResult(cache, built, reused, skipped)
+
+
+def _paths_of(items: Iterable[Record | str | Path]) -> list[Path]:
+    seen: dict[Path, None] = {}
+    for it in items:
+        seen.setdefault(Path(it.image if isinstance(it, Record) else it), None)
+    return list(seen)
+
+
+def _plan(paths: list[Path], cache: FeatureCache) -> tuple[list[tuple[Path, Identity]], int, list[tuple[Path, str]]]:
+    """(images to encode, images already cached, images that cannot be read)."""
+    todo, skipped, reused, seen = [], [], 0, set()
+    for p in paths:
+        try:
+            ident = image_identity(p)
+        except FileNotFoundError:
+            skipped.append((p, "file not found"))
+            continue
+        except OSError as e:
+            skipped.append((p, f"cannot read ({e.strerror})"))
+            continue
+        if ident[0] in seen:  # the same file under another spelling of its path
+            continue
+        seen.add(ident[0])
+        if cache.row_of(ident) is not None:
+            reused += 1
+        elif (reason := cache.failure(ident)) is not None:  # unreadable last time, unchanged since
+            skipped.append((p, reason))
+        else:
+            todo.append((p, ident))
+    for p, reason in skipped:
+        log.warning("%s: skipped (%s)", p, reason)
+    return todo, reused, skipped
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on `folder/.lock` (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(folder / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class _Item(NamedTuple):
@@ -90,166 +180,81 @@ def _collate_items(items: list[_Item]) -> tuple[list[int], torch.Tensor | None, 
     return [it.index for it in ok], images, [(it.index, it.reason) for it in items if it.image is None]
 
 
-def _paths_of(items: Iterable[Record | str | Path]) -> list[Path]:
-    seen: dict[Path, None] = {}
-    for it in items:
-        seen.setdefault(Path(it.image if isinstance(it, Record) else it), None)
-    return list(seen)
+class _ShardWriter:
+    """Appends encoded rows to numbered shards, publishing each when it is full (and the last at the end)."""
+
+    def __init__(self, folder: Path, key: str, grid: tuple[int, int], dim: int, first: int) -> None:
+        self.folder, self.key, self.grid, self.dim = folder, key, grid, dim
+        self.per_shard = max(1, SHARD_BYTES // (grid[0] * grid[1] * dim * 2))
+        self.number = first
+        self.file: IO[bytes] | None = None
+        self.images: list[Identity] = []
+
+    def add(self, features: np.ndarray, identities: list[Identity]) -> None:
+        """(n, L, D) float16 rows of the images `identities`, in order."""
+        done = 0
+        while done < len(identities):
+            if self.file is None:
+                self.file = open(self._path(".f16", temporary=True), "wb")
+            take = min(self.per_shard - len(self.images), len(identities) - done)
+            self.file.write(np.ascontiguousarray(features[done: done + take]).tobytes())
+            self.images += identities[done: done + take]
+            done += take
+            if len(self.images) == self.per_shard:
+                self.publish()
+
+    def publish(self) -> None:
+        """The current shard's features renamed into place, then its index: from now on it exists."""
+        if self.file is None:
+            return
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self._path(".f16", temporary=True), self._path(".f16"))
+        index = {"version": VERSION, "key": self.key, "grid": list(self.grid), "dim": self.dim,
+                 "images": [list(i) for i in self.images]}
+        atomic_write_text(self._path(".json"), json.dumps(index))
+        self.file, self.images, self.number = None, [], self.number + 1
+
+    def _path(self, suffix: str, temporary: bool = False) -> Path:
+        name = f"shard-{self.number:05d}{suffix}"
+        return self.folder / (f".{name}.{os.getpid()}.tmp" if temporary else name)
 
 
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """An exclusive lock on `folder/.lock` (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    with open(folder / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def build_cache(
-    items: Iterable[Record | str | Path],
-    encoder: GridEncoder,
-    cache_dir: str | Path,
-    batch_size: int = 32,
-    device: str | torch.device = "cpu",
-    num_workers: int = 0,
-    progress: bool = True,
-) -> CacheResult:
-    """Make sure every image of `items` (records or paths) has its grid in the cache.
-
-    Valid rows are reused; missing or changed images are encoded (eval transform, inference
-    mode, on `device`); unreadable or missing files are logged and listed in `skipped`. Valid
-    rows of other images already in the cache are kept. The encoder must be frozen; it is
-    returned to its device and train/eval mode afterwards.
-    """
-    if not encoder.frozen:
-        raise ValueError("build_cache needs a frozen encoder (model.encoder.trainable_stages=0)")
-    key = encoder.cache_key()
-    folder = Path(cache_dir).expanduser() / folder_name(key)
-    folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder):
-        return _build_locked(_paths_of(items), encoder, key, folder, batch_size, torch.device(device), num_workers,
-                             progress)
-
-
-def _build_locked(paths: list[Path], encoder: GridEncoder, key: str, folder: Path, batch_size: int,
-                  device: torch.device, num_workers: int, progress: bool) -> CacheResult:
-    grid, dim = tuple(encoder.grid), int(encoder.out_dim)
-    old = FeatureCache.open(folder, key)
-    if old is not None and (old.grid != grid or old.dim != dim):
-        old = None
-    skipped: list[tuple[Path, str]] = []
-    todo: list[tuple[Path, Identity]] = []
-    reused = 0
-    seen: set[str] = set()
-    for p in paths:
-        try:
-            ident = image_identity(p)
-        except FileNotFoundError:
-            skipped.append((p, "file not found"))
-            continue
-        except OSError as e:
-            skipped.append((p, f"cannot read ({e.strerror})"))
-            continue
-        if ident[0] in seen:  # the same file under another spelling of its path
-            continue
-        seen.add(ident[0])
-        if old is not None and old._row_of(ident) is not None:
-            reused += 1
-        else:
-            todo.append((p, ident))
-    for p, reason in skipped:
-        log.warning("%s: skipped (%s)", p, reason)
-    if old is not None and not todo:
-        log.info("%s: all %d images cached", folder, reused)
-        return CacheResult(old, 0, reused, skipped)
-
-    keep = _still_valid(old) if old is not None else []
-    cache, built, failed = _write(folder, key, grid, dim, old, keep, todo, encoder, batch_size, device,
-                                  num_workers, progress)
-    skipped += failed
-    log.info("%s: %d images encoded, %d reused, %d skipped", folder, built, reused, len(skipped))
-    return CacheResult(cache, built, reused, skipped)
-
-
-def _still_valid(old: FeatureCache) -> list[tuple[int, Identity]]:
-    """Rows of `old` whose image file is unchanged (stat'ed again)."""
-    keep = []
-    for row, ident in enumerate(old._images):
-        try:
-            if image_identity(ident[0]) == ident:
-                keep.append((row, ident))
-        except OSError:
-            pass
-    return keep
-
-
-def _write(folder: Path, key: str, grid: tuple[int, int], dim: int, old: FeatureCache | None,
-           keep: list[tuple[int, Identity]], todo: list[tuple[Path, Identity]], encoder: GridEncoder,
-           batch_size: int, device: torch.device, num_workers: int, progress: bool,
-           ) -> tuple[FeatureCache, int, list[tuple[Path, str]]]:
-    """Kept rows + newly encoded images into a new features file, then publish it."""
-    length = grid[0] * grid[1]
-    tmp = folder / f"features.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    capacity = len(keep) + len(todo)
-    images: list[Identity] = []
-    failed: list[tuple[Path, str]] = []
-    try:
-        if capacity == 0:
-            tmp.write_bytes(b"")
-        else:
-            out = np.memmap(tmp, dtype=np.float16, mode="w+", shape=(capacity, length, dim))
-            for i in range(0, len(keep), _COPY_CHUNK):
-                chunk = keep[i: i + _COPY_CHUNK]
-                out[i: i + len(chunk)] = old.features[[row for row, _ in chunk]]  # type: ignore[union-attr]
-                images += [ident for _, ident in chunk]
-            failed = _encode_into(out, len(images), todo, images, encoder, batch_size, device, num_workers, progress)
-            out.flush()
-            del out
-            os.truncate(tmp, len(images) * length * dim * 2)  # drop the rows of images that failed
-        (folder / INDEX).unlink(missing_ok=True)  # from here until the new index: no cache (ignored)
-        os.replace(tmp, folder / FEATURES)
-    finally:
-        tmp.unlink(missing_ok=True)
-    index = {"version": VERSION, "key": key, "shape": [len(images), length, dim], "grid": list(grid),
-             "images": [list(ident) for ident in images]}
-    tmp_index = folder / f"{INDEX}.{os.getpid()}.tmp"
-    tmp_index.write_text(json.dumps(index))
-    os.replace(tmp_index, folder / INDEX)
-    return FeatureCache(folder, key, grid, dim, images), len(images) - len(keep), failed
-
-
-def _encode_into(out: np.ndarray, start: int, todo: list[tuple[Path, Identity]], images: list[Identity],
-                 encoder: GridEncoder, batch_size: int, device: torch.device, num_workers: int, progress: bool,
-                 ) -> list[tuple[Path, str]]:
-    """Encode `todo` images into rows `start...` of `out`, appending their identities to `images`."""
+def _encode(folder: Path, key: str, grid: tuple[int, int], dim: int, existing: int,
+            todo: list[tuple[Path, Identity]], encoder: GridEncoder, batch_size: int, device: torch.device,
+            num_workers: int, progress: bool) -> tuple[int, list[tuple[Path, str]]]:
+    """Encode `todo` into new shards after the `existing` ones. Returns (encoded, skipped)."""
+    shard_no = max([int(p.stem.split("-")[1]) + 1 for p in folder.glob(SHARD_GLOB)], default=existing)
+    writer = _ShardWriter(folder, key, grid, dim, shard_no)
     loader = DataLoader(_ImageFiles([p for p, _ in todo], encoder.transform(train=False)), batch_size=batch_size,
                         num_workers=num_workers, collate_fn=_collate_items, pin_memory=device.type == "cuda")
     first = next(encoder.parameters(), None)
     home, was_training = (first.device if first is not None else torch.device("cpu")), encoder.training
     encoder.to(device).eval()
     failed: list[tuple[Path, str]] = []
-    row = start
+    built = 0
     try:
-        with torch.inference_mode(), tqdm(total=len(todo), desc="encoding images", unit="img",
-                                          disable=not progress, leave=False) as bar:
+        with tqdm(total=len(todo), desc="encoding images", unit="img", disable=not progress, leave=False) as bar:
             for ok, batch, bad in loader:
                 for i, reason in bad:
                     log.warning("%s: skipped (%s)", todo[i][0], reason)
                     failed.append((todo[i][0], reason))
                 if batch is not None:
-                    feats = encoder(batch.to(device, non_blocking=True))  # (B, L, D)
-                    out[row: row + len(ok)] = feats.float().cpu().numpy().astype(np.float16)
-                    images += [todo[i][1] for i in ok]
-                    row += len(ok)
+                    feats = encoder.infer(batch.to(device, non_blocking=True))  # (B, L, D), chunked on a CPU
+                    writer.add(feats.float().cpu().numpy().astype(np.float16), [todo[i][1] for i in ok])
+                    built += len(ok)
                 bar.update(len(ok) + len(bad))
+        writer.publish()
+        if failed:
+            number = len(list(folder.glob(FAILED_GLOB)))
+            bad = {str(p): reason for p, reason in failed}
+            images = [[*ident, bad[str(p)]] for p, ident in todo if str(p) in bad]
+            atomic_write_text(folder / f"failed-{number:05d}.json", json.dumps({"version": VERSION, "key": key,
+                                                                                 "images": images}))
     finally:
+        if writer.file is not None:  # interrupted: the unfinished shard is dropped (finished ones stay)
+            writer.file.close()
+            writer._path(".f16", temporary=True).unlink(missing_ok=True)
         encoder.to(home).train(was_training)
-    return failed
+    return built, failed

@@ -2,6 +2,7 @@
 boxes) and the pure functions that split them by image."""
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -41,6 +42,14 @@ class Record:
             raise ValueError(f"{self.image}: split {self.split!r} is not one of {', '.join(SPLITS)}")
 
 
+def fingerprint(records: Iterable[Record]) -> dict[str, int | str]:
+    """What identifies a set of records for resuming: image and caption counts and a digest of
+    every image's file name and captions (names, not paths: the data may move)."""
+    entries = sorted((Path(r.image).name, r.captions) for r in records)
+    digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:16]
+    return {"images": len(entries), "captions": sum(len(c) for _, c in entries), "digest": digest}
+
+
 def split_records(records: Iterable[Record]) -> dict[str, list[Record]]:
     """Records grouped by split (every split present as a key, maybe empty)."""
     out: dict[str, list[Record]] = {s: [] for s in SPLITS}
@@ -49,18 +58,9 @@ def split_records(records: Iterable[Record]) -> dict[str, list[Record]]:
     return out
 
 
-def _check_fractions(val_fraction: float, test_fraction: float) -> None:
-    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-        raise SourceError(
-            f"data.val_fraction={val_fraction}, data.test_fraction={test_fraction}: "
-            "each must be in [0, 1) and their sum below 1"
-        )
-
-
 def assign_splits(records: list[Record], val_fraction: float, test_fraction: float = 0.0, seed: int = 0) -> list[Record]:
     """Split BY IMAGE with a fixed seed: round(n*fraction) images (at least 1 when the fraction > 0)
     go to val and test, the rest to train. Independent of the input order. Pure."""
-    _check_fractions(val_fraction, test_fraction)
     n = len(records)
     order = sorted(range(n), key=lambda i: str(records[i].image))
     random.Random(seed).shuffle(order)

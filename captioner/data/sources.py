@@ -32,12 +32,14 @@ Reader = Callable[[Path, "Path | None"], "tuple[list[Record], bool]"]
 def load_records(cfg: DataConfig, image_root: str | Path | None = None,
                  shapes_root: str | Path | None = None) -> list[Record]:
     """The records of a data section: the source at `cfg.path` (split with its settings when it has
-    no split of its own), or, for `path: shapes`, the built-in set (generated once under
-    `shapes_root`, default `$CAPTIONER_CACHE/shapes-<seed>-<n>`)."""
+    no split of its own; images under `image_root`, else `cfg.image_root`, else where the caption
+    file says), or, for `path: shapes`, the built-in set (generated once under `shapes_root`,
+    default `$CAPTIONER_CACHE/shapes-<seed>-<n>`)."""
     if str(cfg.path) == "shapes":
         root = Path(shapes_root) if shapes_root else default_root(cfg.shapes_images, cfg.shapes_seed)
         return generate_shapes(root, cfg.shapes_images, cfg.shapes_seed)
-    return read_source(cfg.path, image_root, cfg.val_fraction, cfg.test_fraction, cfg.split_seed)
+    return read_source(cfg.path, image_root or cfg.image_root or None, cfg.val_fraction, cfg.test_fraction,
+                       cfg.split_seed)
 
 
 def read_source(

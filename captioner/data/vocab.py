@@ -16,6 +16,7 @@ from pathlib import Path
 from nltk.tokenize import TreebankWordTokenizer
 
 from captioner.errors import CaptionerError
+from captioner.files import atomic_write_text
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
@@ -126,8 +127,7 @@ class Vocabulary:
         """Write the id-ordered word list as JSON."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self._itos, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
-        return path
+        return atomic_write_text(path, json.dumps(self._itos, ensure_ascii=False, indent=0) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:

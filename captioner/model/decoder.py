@@ -97,10 +97,6 @@ class AttentionDecoder(nn.Module):
             pad_id: the <pad> token id.
         """
         super().__init__()
-        if cfg.init_pooling not in ("mean", "attention", "none"):
-            raise ValueError(f"decoder.init_pooling must be 'mean', 'attention' or 'none', got {cfg.init_pooling!r}")
-        if cfg.attend not in ("before", "after"):
-            raise ValueError(f"decoder.attend must be 'before' or 'after', got {cfg.attend!r}")
         if cfg.position and grid is None:
             raise ValueError("decoder.position needs the encoder's grid (H', W')")
         D = cfg.feature_dim or feature_dim

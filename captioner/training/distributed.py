@@ -113,6 +113,17 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's `value` (the value itself for one process)."""
+    if not _active():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sum over the ranks of a few floats (float64 on the CPU: gloo and nccl agree)."""
     if not _active():

@@ -18,9 +18,10 @@ ends with the same weights as a run that was never interrupted.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,11 +49,12 @@ from captioner.training.distributed import (
     broadcast_object,
     dist_from_env,
     init_distributed,
+    max_over_ranks,
     shutdown_distributed,
 )
 from captioner.training.loss import Criterion, LossOutput, build_criterion
 from captioner.training.setup import setup
-from captioner.training.state import BEST, LAST, METRICS, Meter, Run, save_best, save_last
+from captioner.training.state import BEST, LAST, Meter, Run, append_metrics, save_best, save_last
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,41 @@ class TrainResult:
     stopped_early: bool
     metrics: dict[str, float]  # last validation
     history: list[dict[str, Any]]  # the metrics lines written in this session
+    interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run at a checkpoint
+
+
+class StopRequest:
+    """Ctrl-C (SIGINT) and SIGTERM during training: the first one lets the current step finish, then
+    the run writes `last.pt` at that exact position and ends (`signal` says which arrived); a second
+    one stops at once (KeyboardInterrupt, or exit 143), a checkpoint being written is then abandoned
+    and the previous one stays. Handlers are installed only in the main thread, and restored after."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is None:
+            self.signal = signum
+            log.warning("%s: finishing this step, then writing last.pt (again to stop at once)",
+                        signal.Signals(signum).name)
+            return
+        self.__exit__()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
 
 
 def sampling_probability(final: float, epoch: int, epochs: int) -> float:
@@ -213,12 +250,7 @@ def validate(run: Run) -> bool:
     run.history.append(line)
     run.meter.reset()
     if run.dist.is_main:
-        with open(run.out_dir / METRICS, "a") as f:
-            f.write(json.dumps(line) + "\n")
-        if run.writer is not None:
-            for k, v in line.items():
-                if k not in ("epoch", "step"):
-                    run.writer.add_scalar(k, v, st.step)
+        append_metrics(run, line)
         star = " *" if st.best_step == st.step else ""
         log.info("epoch %.2f step %d: loss %.3f (xent %.3f)  %s %.3f%s  BLEU-4 %.3f  %.0f captions/s",
                  line["epoch"], st.step, line["loss"], line["xent"], tc.val_metric, value, star,
@@ -228,10 +260,12 @@ def validate(run: Run) -> bool:
     return tc.patience > 0 and st.bad_validations >= tc.patience
 
 
-def fit(run: Run, stop_after_steps: int | None = None) -> TrainResult:
+def fit(run: Run, stop_after_steps: int | None = None, request: StopRequest | None = None) -> TrainResult:
     """The training loop from wherever `run.state` stands. `stop_after_steps` ends the run (with a
-    checkpoint) once that many steps are done in total: a hook for tests and smoke runs."""
+    checkpoint) once that many steps are done in total: a hook for tests and smoke runs. A signal
+    seen by `request` ends it the same way, after the step it arrived in (on every rank together)."""
     tc, st = run.cfg.train, run.state
+    stopped_by: int | None = None
     criterion = build_criterion(tc)
     per_epoch = run.steps_per_epoch
     stop = tc.patience > 0 and st.bad_validations >= tc.patience  # resumed after an early stop
@@ -240,13 +274,16 @@ def fit(run: Run, stop_after_steps: int | None = None) -> TrainResult:
     while st.epoch < tc.epochs and not stop:
 
         def after_step(loss: LossOutput) -> bool:
-            nonlocal stop, early, interrupted
+            nonlocal stop, early, interrupted, stopped_by
             st.step += 1
             st.batch += 1
             if tc.val_every_steps > 0 and st.step % tc.val_every_steps == 0:
                 early = validate(run)
                 stop = stop or early
-            if stop_after_steps is not None and st.step >= stop_after_steps:
+            if request is not None:  # every rank stops after the same step: the highest signal seen wins
+                seen = request.signal or 0
+                stopped_by = int(max_over_ranks(seen) if run.dist.enabled else seen) or None
+            if stopped_by is not None or (stop_after_steps is not None and st.step >= stop_after_steps):
                 stop = interrupted = True
             elif st.batch < per_epoch and (stop or (tc.checkpoint_every_steps > 0
                                                     and st.step % tc.checkpoint_every_steps == 0)):
@@ -274,20 +311,22 @@ def fit(run: Run, stop_after_steps: int | None = None) -> TrainResult:
         run.writer.close()
     best = run.out_dir / BEST
     return TrainResult(run.out_dir, run.out_dir / LAST, best if best.is_file() else None, tc.val_metric, st.best,
-                       st.best_step, st.epoch, st.step, early, run.metrics, run.history)
+                       st.best_step, st.epoch, st.step, early, run.metrics, run.history, stopped_by)
 
 
 # --- entry point ------------------------------------------------------------------------------
 
 
 def train(cfg: Config, out_dir: str | Path, device: str | torch.device = "auto", resume: str | Path | None = None,
-          *, stop_after_steps: int | None = None) -> TrainResult:
+          *, overwrite: bool = False, stop_after_steps: int | None = None) -> TrainResult:
     """Train a model as `cfg` says, writing `last.pt`, `best.pt` and `metrics.jsonl` into `out_dir`.
 
     Under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK set) each process trains its share of every
     batch with DDP; only rank 0 writes files. `resume` continues a run from its `last.pt` exactly
     (same data order, RNG, optimiser state); `cfg` should then come from `run_config(..., resume)`.
-    On the CPU the run is deterministic for a fixed seed.
+    A folder holding another run is refused unless `overwrite`. Ctrl-C or SIGTERM ends the run after
+    the current step with a checkpoint (`TrainResult.interrupted`). On the CPU the run is
+    deterministic for a fixed seed.
     """
     import torch.distributed as torch_dist
 
@@ -299,8 +338,9 @@ def train(cfg: Config, out_dir: str | Path, device: str | torch.device = "auto",
         torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         ckpt = load_checkpoint(resume) if resume is not None else None
-        run = setup(cfg, Path(out_dir), dev, dist, ckpt)
-        return fit(run, stop_after_steps)
+        run = setup(cfg, Path(out_dir), dev, dist, ckpt, overwrite)
+        with StopRequest() as request:
+            return fit(run, stop_after_steps, request)
     finally:
         torch.use_deterministic_algorithms(deterministic)
         if owns_group:

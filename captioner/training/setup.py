@@ -8,34 +8,33 @@ when `model.encoder.trainable_stages > 0`).
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from captioner.config import Config, ConfigError, DataConfig, TrainConfig, to_dict
+from captioner.config import Config, ConfigError, DataConfig, TrainConfig
+from captioner.data.cache import cache_dir_of
 from captioner.data.cache_build import build_cache
 from captioner.data.datasets import CaptionDataset, ImageDataset, collate_images
 from captioner.data.order import EpochBatchSampler, SeededItems, steps_per_epoch
-from captioner.data.records import Record, split_records
+from captioner.data.records import Record, fingerprint, split_records
 from captioner.data.sources import load_records
 from captioner.data.vocab import Vocabulary, build_vocabulary
-from captioner.decoding.metrics import METRIC_NAMES
+from captioner.decoding.metrics import java_available
 from captioner.errors import CaptionerError
+from captioner.files import remove_stale_temporaries, writable_dir
 from captioner.model.caption_model import CaptionModel, build_model
 from captioner.model.checkpoint import Checkpoint, restore_model
-from captioner.model.encoder import Encoder
+from captioner.model.encoder import Encoder, build_encoder
 from captioner.runtime import autocast_dtype, seed_everything
 from captioner.training.distributed import DistInfo, all_gather_objects, main_first
-from captioner.training.state import BEST, CONFIG, LAST, METRICS, Run, restore
+from captioner.training.state import Run, existing_run, restore
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +49,6 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def check_train_config(cfg: TrainConfig) -> None:
-    """Values the dataclass types cannot check; ConfigError (one line) names the key."""
-    if cfg.optimizer not in ("adam", "adamw"):
-        raise ConfigError(f"train.optimizer={cfg.optimizer!r}: expected adam or adamw")
-    if cfg.schedule not in ("cosine", "constant"):
-        raise ConfigError(f"train.schedule={cfg.schedule!r}: expected cosine or constant")
-    if cfg.val_metric not in METRIC_NAMES:
-        raise ConfigError(f"train.val_metric={cfg.val_metric!r}: expected one of {', '.join(METRIC_NAMES)}")
-    for key in ("epochs", "batch_size"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"train.{key}={getattr(cfg, key)}: must be at least 1")
-    if not 0.0 <= cfg.scheduled_sampling <= 1.0:
-        raise ConfigError(f"train.scheduled_sampling={cfg.scheduled_sampling}: must be in [0, 1]")
-    for key in ("coverage_weight", "entropy_weight", "label_smoothing"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"train.{key}={getattr(cfg, key)}: must not be negative")
-
-
 def load_splits(cfg: Config) -> tuple[list[Record], list[Record], dict[str, int]]:
     """Train records, the validation records used (`train.val_images` of them, 0 = all), images per split."""
     splits = split_records(load_records(cfg.data))
@@ -80,15 +61,50 @@ def load_splits(cfg: Config) -> tuple[list[Record], list[Record], dict[str, int]
     return splits["train"], val, {name: len(recs) for name, recs in splits.items()}
 
 
+def check_images(data: DataConfig, records: list[Record]) -> None:
+    """Stop when most image files are missing (a wrong image folder), naming the first; warn when some are."""
+    missing = [r.image for r in records if not Path(r.image).is_file()]
+    if 2 * len(missing) > len(records):
+        raise CaptionerError(f"{data.path}: {len(missing):,} of {len(records):,} images are missing (first: "
+                             f"{missing[0]}); point --image-root (data.image_root) at the folder that holds them")
+    if missing:
+        log.warning("%d of %d images are missing and will be skipped (first: %s)", len(missing), len(records),
+                    missing[0])
+
+
+def check_environment(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """What the machine must have for this config, checked before any work. Returns the autocast dtype."""
+    if cfg.train.val_metric == "METEOR" and not java_available():
+        raise ConfigError("config key 'train.val_metric': 'METEOR' needs Java (`java` is not on PATH); "
+                          "install a JRE or choose CIDEr, Bleu_4, ROUGE_L")
+    return autocast_dtype(cfg.train.amp, device)
+
+
+def check_same_data(resume: Checkpoint, train_records: list[Record], vocab: Vocabulary) -> None:
+    """A resumed run trains on the data it started with: refuse (one line, saying what differs) when
+    the vocabulary would change or the training captions are not the same."""
+    old, new = resume.vocab, vocab
+    if old != new:
+        added = [w for w in new.to_list() if w not in old][:3]
+        gone = [w for w in old.to_list() if w not in new][:3]
+        raise CaptionerError(f"--resume: the training captions changed since this run started: its vocabulary of "
+                             f"{len(old):,} words would become {len(new):,} (new: {', '.join(added) or '-'}; "
+                             f"gone: {', '.join(gone) or '-'}); resume with the run's data, or start a new run")
+    then, now = resume.meta.get("data"), fingerprint(train_records)
+    if isinstance(then, dict) and then.get("digest") != now["digest"]:
+        raise CaptionerError(f"--resume: the training data differ from the run's ({then.get('images'):,} images, "
+                             f"{then.get('captions'):,} captions then; {now['images']:,} images, "
+                             f"{now['captions']:,} captions now); resume with the run's data, or start a new run")
+
+
 def build_datasets(data: DataConfig, seed: int, batch_size: int, encoder: Encoder, train_records: list[Record],
-                   val_records: list[Record], vocab: Vocabulary, out_dir: Path, device: torch.device,
+                   val_records: list[Record], vocab: Vocabulary, device: torch.device,
                    dist: DistInfo) -> tuple[Dataset, ImageDataset, bool]:
     """(train captions, validation images, cached?). With a frozen encoder and `data.use_cache`,
     rank 0 fills the feature cache and every rank reads grids from it; otherwise images."""
     if encoder.frozen and data.use_cache:
-        cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else out_dir / "cache"
         with main_first():  # rank 0 fills the cache; the others then find every image cached
-            cache = build_cache(train_records + val_records, encoder, cache_dir, batch_size=batch_size,
+            cache = build_cache(train_records + val_records, encoder, cache_dir_of(data), batch_size=batch_size,
                                 device=device, num_workers=data.num_workers,
                                 progress=dist.is_main and sys.stderr.isatty()).cache
         return (CaptionDataset(train_records, vocab, data.max_length, cache=cache),
@@ -115,30 +131,46 @@ def build_optimizer(model: CaptionModel, cfg: TrainConfig) -> torch.optim.Optimi
 
 
 def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | None = None,
-          resume: Checkpoint | None = None) -> Run:
-    """Build data, vocabulary, model, optimiser and schedule from `cfg`; restore `resume`'s state."""
+          resume: Checkpoint | None = None, overwrite: bool = False) -> Run:
+    """Build data, vocabulary, model, optimiser and schedule from `cfg`; restore `resume`'s state.
+
+    What can be checked without data is checked first: the machine (Java for METEOR, CUDA for
+    fp16), the run folder (writable; a folder holding another run is refused unless `overwrite`,
+    and even then its files stay until this run writes its first checkpoint) and the encoder's
+    weights. A resumed run must find the data it started with.
+    """
     tc, dist = cfg.train, dist or DistInfo()
-    check_train_config(tc)
-    amp_dtype = autocast_dtype(tc.amp, device)
+    amp_dtype = check_environment(cfg, device)
     out_dir = Path(out_dir)
+    replacing = False
     if dist.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.glob(".*.pt.*.tmp"):  # a checkpoint write that a kill interrupted
-            stale.unlink(missing_ok=True)
+        writable_dir(out_dir, "run folder")
+        remove_stale_temporaries(out_dir)  # a checkpoint write that a kill interrupted
+        if resume is None and (earlier := existing_run(out_dir)):
+            if not overwrite:
+                raise CaptionerError(f"{out_dir} holds a run ({earlier}): continue it with `captioner train "
+                                     f"--resume {out_dir / 'last.pt'}`, or give another --out (--overwrite "
+                                     f"replaces it once the new run has its first checkpoint)")
+            replacing = True
+            log.warning("%s holds a run (%s): it is replaced once this run writes its first checkpoint", out_dir,
+                        earlier)
+    encoder = build_encoder(cfg.model.encoder) if resume is None else None  # its weights, before any data
 
     with main_first():  # the built-in shapes set is written by rank 0 alone
         train_records, val_records, split_sizes = load_splits(cfg)
+    check_images(cfg.data, train_records + val_records)
+    vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count,
+                             cfg.data.max_length)  # the same words `captioner prepare` counts
     if resume is not None:
         if resume.model_config != cfg.model:
             raise CaptionerError("model.* settings cannot change when resuming (they are the checkpoint's)")
-        vocab, model = resume.vocab, restore_model(resume)
+        check_same_data(resume, train_records, vocab)
+        model = restore_model(resume)
     else:
-        vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count,
-                                 cfg.data.max_length)  # the same words `captioner prepare` counts
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
-        model = build_model(cfg.model, len(vocab))
+        model = build_model(cfg.model, len(vocab), encoder=encoder)
     train_set, val_set, cached = build_datasets(cfg.data, tc.seed, tc.batch_size, model.encoder, train_records,
-                                                val_records, vocab, out_dir, device, dist)
+                                                val_records, vocab, device, dist)
     n_train = len(train_set)  # captions
     counts = all_gather_objects(n_train)
     if len(set(counts)) > 1:  # DDP steps would not line up
@@ -166,30 +198,14 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
                             num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
                             generator=torch.Generator().manual_seed(tc.seed))
     references = {i: list(refs) for i, refs in enumerate(val_set.references)}
-    meta = {"splits": split_sizes, "train_captions": n_train, "val_images": len(val_set)}
+    meta = {"splits": split_sizes, "train_captions": n_train, "val_images": len(val_set),
+            "data": fingerprint(train_records)}
     run = Run(cfg, out_dir, device, dist, vocab, model, net, cached, optimizer, scheduler, scaler, amp_dtype,
-              train_set, sampler, val_loader, references, meta)
+              train_set, sampler, val_loader, references, meta, replacing=replacing)
 
     if resume is not None and resume.train_state is not None:
         restore(run, resume.train_state)
         run.metrics = dict(resume.meta.get("metrics") or {})
     else:
         seed_everything(tc.seed + dist.rank)  # dropout and scheduled sampling differ between ranks
-        if dist.is_main:
-            if (out_dir / LAST).exists():
-                log.warning("%s holds an earlier run: starting a new one over it (--resume %s continues it)",
-                            out_dir, out_dir / LAST)
-            for name in (METRICS, BEST):  # this run's own, not an earlier run's
-                (out_dir / name).unlink(missing_ok=True)
-    if dist.is_main:
-        (out_dir / CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        run.writer = _summary_writer(out_dir)
     return run
-
-
-def _summary_writer(out_dir: Path) -> Any:
-    if importlib.util.find_spec("tensorboard") is None:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(out_dir / "tb"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from captioner.cli import caption, demo, evaluate, prepare, train, visualize
@@ -27,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. Whatever a user can cause ends in one line on stderr and a non-zero status,
+    never a traceback: bad input (2), an unwritable or full disk (2), Ctrl-C (130), a closed
+    output pipe (`captioner caption ... | head -1`: quietly, 141)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
@@ -34,3 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     except CaptionerError as e:
         print(f"captioner: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more can be shown. Point stdout at /dev/null so the
+        # interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # a full disk, a read-only folder, a vanished file: the system's own words
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"captioner: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("captioner: interrupted", file=sys.stderr)
+        return 130

@@ -40,15 +40,26 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
 
 
+DECODE_FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "length_penalty": "--length-penalty",
+                "no_repeat_ngram": "--no-repeat-ngram"}
+
+
 def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The decode options given, as DecodeConfig fields (None = the checkpoint's)."""
-    for flag, value in (("--beam", args.beam_size), ("--max-length", args.max_length), ("--batch-size", args.batch_size)):
-        if value is not None and value < 1:
-            raise CaptionerError(f"{flag} must be at least 1, got {value}")
-    if args.no_repeat_ngram is not None and args.no_repeat_ngram < 0:
-        raise CaptionerError(f"--no-repeat-ngram must be 0 (off) or more, got {args.no_repeat_ngram}")
-    return {"beam_size": args.beam_size, "max_length": args.max_length, "length_penalty": args.length_penalty,
-            "no_repeat_ngram": args.no_repeat_ngram}
+    """The decode options given, as DecodeConfig fields (None = the checkpoint's), checked now,
+    before the model loads."""
+    from captioner.config import ConfigError, DecodeConfig
+
+    if args.batch_size < 1:
+        raise CaptionerError(f"--batch-size must be at least 1, got {args.batch_size}")
+    given = {key: getattr(args, key) for key in DECODE_FLAGS}
+    try:
+        DecodeConfig(**{k: v for k, v in given.items() if v is not None})
+    except ConfigError as e:
+        message = str(e)
+        for key, flag in DECODE_FLAGS.items():
+            message = message.replace(f"config key 'decode.{key}'", flag)
+        raise CaptionerError(message) from None
+    return given
 
 
 def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found") -> None:

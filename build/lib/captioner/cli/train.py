@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 from captioner.cli.common import add_device, add_encoder_weights, add_overrides, overrides
@@ -21,6 +22,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                                  "or the checkpoint's folder with --resume)")
     p.add_argument("--resume", metavar="RUN/last.pt",
                    help="continue a run exactly where its checkpoint left it (config from the checkpoint)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run --out holds (its files stay until the new run's first checkpoint)")
+    p.add_argument("--image-root", help="folder holding the images, when not next to the caption file "
+                                        "(same as data.image_root=PATH)")
     add_encoder_weights(p)
     add_overrides(p, "train.epochs=30")
     p.set_defaults(func=run)
@@ -32,14 +37,20 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.config:
         logging.getLogger(__name__).warning("--config %s ignored: a resumed run uses its checkpoint's config "
                                             "(change it with section.key=value overrides)", args.config)
-    cfg = run_config(args.config, overrides(args), resume=args.resume, data=args.data)
+    extra = [f"data.image_root={args.image_root}"] if args.image_root else []
+    cfg = run_config(args.config, overrides(args) + extra, resume=args.resume, data=args.data)
     if args.out:
         out = Path(args.out)
     elif args.resume:
         out = Path(args.resume).parent
     else:
-        out = Path("runs") / Path(args.config).stem
-    result = train(cfg, out, args.device, resume=args.resume)
+        out = Path("runs") / (Path(args.config).stem if args.config else "train")
+    result = train(cfg, out, args.device, resume=args.resume, overwrite=args.overwrite)
+    if result.interrupted is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"stopped by {signal.Signals(result.interrupted).name} after step {result.steps}: {result.last} "
+                  f"written.\nresume with: captioner train --resume {result.last}")
+        return 128 + result.interrupted
     if os.environ.get("RANK", "0") == "0":
         best = "-" if result.best_value is None else f"{result.metric} {result.best_value:.4f} at step {result.best_step}"
         print(f"trained:  {result.epochs} epochs, {result.steps} steps"

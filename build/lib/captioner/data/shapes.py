@@ -25,6 +25,7 @@ from PIL import Image, ImageDraw
 
 from captioner.data.readers import read_karpathy
 from captioner.data.records import Box, Record
+from captioner.files import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,11 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "yellow": (235, 195, 25),
     "purple": (140, 55, 185),
 }
-CAPTIONS_PER_IMAGE = 5
 
 
 def default_root(n_images: int, seed: int, size: int = 224) -> Path:
     """`$CAPTIONER_CACHE/shapes-<seed>-<n>` (default cache `~/.cache/captioner`); `-<size>` added when not 224."""
-    base = Path(os.environ.get("CAPTIONER_CACHE") or "~/.cache/captioner").expanduser()
-    return base / (f"shapes-{seed}-{n_images}" + (f"-{size}" if size != 224 else ""))
+    return cache_home() / (f"shapes-{seed}-{n_images}" + (f"-{size}" if size != 224 else ""))
 
 
 def split_of(index: int) -> str:

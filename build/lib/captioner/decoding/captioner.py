@@ -35,8 +35,6 @@ from captioner.runtime import resolve_device
 log = logging.getLogger(__name__)
 
 ImageInput = PIL.Image.Image | str | Path
-ENCODER_CPU_BATCH = 2  # images per encoder call on a CPU (see `Captioner.encode`)
-
 
 @dataclass
 class Caption:
@@ -168,11 +166,7 @@ class Captioner:
     def encode(self, images: Sequence[PIL.Image.Image]) -> torch.Tensor:
         """PIL images -> (B, L, D) encoder grids on `device` (the eval preprocessing, then the CNN)."""
         pixels = torch.stack([self.transform(im) for im in images]).to(self.device)  # (B, 3, S, S)
-        # On a CPU the CNN runs fastest on one or two images at a time (their activations stay in
-        # cache; efficientnet_lite0 on 2 cores: ~1.5x faster per image than in chunks of 8, ~2x than
-        # 32), while the search gains from the whole batch. On a GPU the whole batch goes at once.
-        chunk = ENCODER_CPU_BATCH if self.device.type == "cpu" else len(images)
-        return torch.cat([self.model.encode(pixels[i : i + chunk]) for i in range(0, len(images), chunk)])  # (B, L, D)
+        return self.model.encoder.infer(pixels)  # (B, L, D); the search then takes the whole batch
 
     @torch.inference_mode()
     def _caption_batch(self, images: list[PIL.Image.Image], paths: list[str | None],

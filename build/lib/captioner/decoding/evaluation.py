@@ -24,7 +24,6 @@ from captioner.decoding.metrics import caption_metrics
 from captioner.errors import CaptionerError
 from captioner.model.checkpoint import load_checkpoint
 
-
 Progress = Callable[[Iterator, int], Iterator]  # (iterator, total) -> the same items, e.g. through a tqdm
 
 

@@ -234,10 +234,6 @@ def _finalize(
 def decode(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig, vocab: Vocabulary) -> list[Hypothesis]:
     """Caption a batch of (B, L, D) grids as `cfg` says (beam_size 1 = greedy). Never emits <pad>,
     <start> or <unk>, and every caption has at least one word. Returns B hypotheses in input order."""
-    if cfg.beam_size < 1:
-        raise ValueError(f"beam_size must be at least 1, got {cfg.beam_size}")
-    if cfg.max_length < 1:
-        raise ValueError(f"max_length must be at least 1, got {cfg.max_length}")
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
                        length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1)

@@ -54,7 +54,6 @@ class Backbone:
         stages: groups of `net` submodule names, input to output; "the last N stages" are fine-tuned.
         mean, std: per-channel normalisation the weights were trained with.
         interpolation: resize mode of the weights' own preprocessing.
-        weights_tag: identity of the default weights (goes into `cache_key`).
         load_default: loads the default weights into `net` (None for `random`).
         rename: maps a foreign state dict's keys onto `net`'s (for local weight files).
         geometry: input side S (pixels) -> (origin, stride): the centre of cell 0's receptive
@@ -67,7 +66,6 @@ class Backbone:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     interpolation: T.InterpolationMode
-    weights_tag: str
     load_default: Callable[[nn.Module], None] | None = None
     rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None
     geometry: Callable[[int], tuple[float, float]] = lambda size: (0.5, 32.0)
@@ -162,7 +160,7 @@ def _build_lite(name: str) -> Backbone:
         return _lite_rename(state, net) if any(k.startswith("_blocks.") for k in state) else state
 
     return Backbone(net, stages, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), T.InterpolationMode.BICUBIC,
-                    weights_tag="pkg", load_default=load_default, rename=rename, geometry=tf_same_geometry)
+                    load_default=load_default, rename=rename, geometry=tf_same_geometry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,7 +189,6 @@ def _build_torchvision(name: str) -> Backbone:
         else:  # stem, MBConv stages, 1x1 head conv (kept with the last stage)
             stages = [[f"features.{i}"] for i in range(n - 2)] + [[f"features.{n - 2}", f"features.{n - 1}"]]
     preset = weights.transforms()
-    url_hash = Path(weights.url).stem.rsplit("-", 1)[-1]
 
     def load_default(net: nn.Module) -> None:
         try:
@@ -207,7 +204,7 @@ def _build_torchvision(name: str) -> Backbone:
 
     geometry = convnext_geometry if name.startswith("convnext") else symmetric_geometry(32)
     return Backbone(net, stages, tuple(preset.mean), tuple(preset.std), preset.interpolation,
-                    weights_tag=f"{weights.name}-{url_hash}", load_default=load_default, geometry=geometry)
+                    load_default=load_default, geometry=geometry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,7 +224,7 @@ def _build_random(name: str) -> Backbone:
         ))
     stages = [[f"block{i}"] for i in range(len(widths) - 1)]
     return Backbone(net, stages, IMAGENET_MEAN, IMAGENET_STD, T.InterpolationMode.BILINEAR,
-                    weights_tag=f"seed{RANDOM_SEED}", geometry=symmetric_geometry(16))
+                    geometry=symmetric_geometry(16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +308,6 @@ def load_backbone_keys(net: nn.Module, state: dict[str, Tensor], source: str) ->
 def build_backbone(cfg: EncoderConfig, pretrained: bool = True) -> Backbone:
     """The backbone `cfg.name`, with weights: `cfg.weights` (a local state dict) when set, else the
     backbone's own default weights; `pretrained=False` loads none (a checkpoint fills them)."""
-    if cfg.name not in _REGISTRY:
-        raise EncoderError(f"unknown encoder '{cfg.name}' (available: {', '.join(available_encoders())})")
     with torch.random.fork_rng(devices=[]):  # building never moves the global RNG
         backbone = _REGISTRY[cfg.name](cfg.name)
     if pretrained and cfg.weights:

@@ -30,8 +30,9 @@ class CaptionModel(nn.Module):
         return self.decoder(self.encode(images), tokens, lengths, rows, sampling_prob=sampling_prob)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, pretrained: bool = True) -> CaptionModel:
-    """Build encoder and decoder; `pretrained=False` skips loading encoder weights (a checkpoint follows)."""
-    encoder = build_encoder(cfg.encoder, pretrained=pretrained)
+def build_model(cfg: ModelConfig, vocab_size: int, pretrained: bool = True, encoder: Encoder | None = None) -> CaptionModel:
+    """Build encoder and decoder; `pretrained=False` skips loading encoder weights (a checkpoint
+    follows); `encoder` is one built already (from `cfg.encoder`)."""
+    encoder = encoder or build_encoder(cfg.encoder, pretrained=pretrained)
     decoder = AttentionDecoder(vocab_size, encoder.out_dim, cfg.decoder, grid=encoder.grid)
     return CaptionModel(encoder, decoder)

@@ -15,9 +15,10 @@ a reader (or a crash) never sees half a checkpoint. Loading is here and nowhere 
 """
 from __future__ import annotations
 
+import io
 import logging
-import os
-import tempfile
+import pickle
+import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from captioner.config import Config, ConfigError, ModelConfig, parse_config, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
+from captioner.files import atomic_open
 from captioner.model.caption_model import CaptionModel, build_model
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,8 @@ def save_checkpoint(
     train_state: dict[str, Any] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically (temp file + fsync + rename). Returns the path."""
+    """Write a checkpoint atomically (serialised in memory, then temp file + fsync + rename): a full
+    disk or a kill leaves the previous file at `path` as it was. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -73,31 +76,23 @@ def save_checkpoint(
         "train_state": train_state,
         "meta": meta or {},
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    buffer = io.BytesIO()  # torch.save reports a full disk as an opaque RuntimeError; file.write as ENOSPC
+    torch.save(payload, buffer)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_open(path, "wb") as f:
+            f.write(buffer.getbuffer())
+    except OSError as e:
+        raise CheckpointError(f"{path}: could not write the checkpoint ({e.strerror or e}); "
+                              f"the previous {path.name}, if any, is unchanged") from None
     return path
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read and validate a checkpoint (tensors on the CPU). Raises CheckpointError with one line."""
+    """Read and check a checkpoint (tensors on the CPU). Raises CheckpointError with one line: not
+    found, not a PyTorch file, truncated, holding code (refused, never run), not a captioner
+    checkpoint, from a version this code cannot read, or with weights that are NaN or infinite."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: checkpoint not found")
-    if not zipfile.is_zipfile(path):  # torch.save has written zip archives since PyTorch 1.6
-        raise CheckpointError(f"{path}: not a readable checkpoint (not a PyTorch file)")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch.load raises many types on foreign bytes; all mean "not readable"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a readable checkpoint ({reason[:200]})") from None
+    payload = _read(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a captioner checkpoint (no 'format: {FORMAT}' marker)")
     if payload.get("version") == 1:
@@ -111,6 +106,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         config = parse_config(payload["config"])
     except ConfigError as e:
         raise CheckpointError(f"{path}: its config does not fit this code: {e}") from None
+    bad = [k for k, v in payload["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"{path}: {len(bad)} weight tensors hold NaN or infinite values (e.g. {bad[0]}): "
+                              f"the training diverged; use an earlier checkpoint")
     return Checkpoint(
         config=config,
         vocab=Vocabulary.from_list(payload["vocab"]),
@@ -118,6 +117,38 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         train_state=payload.get("train_state"),
         meta=payload.get("meta") or {},
     )
+
+
+def _read(path: Path) -> Any:
+    """torch.load(weights_only=True) with one-line errors for everything a file can be instead."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found" if not path.exists() else f"{path}: not a file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    if head != b"PK\x03\x04":  # torch.save has written zip archives since PyTorch 1.6
+        raise CheckpointError(f"{path}: not a readable checkpoint (not a PyTorch file)")
+    if not zipfile.is_zipfile(path):  # a zip's directory is written last: the file was cut short
+        raise CheckpointError(f"{path}: truncated checkpoint ({path.stat().st_size:,} bytes; its writing did not "
+                              f"finish): use an earlier one")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only load failed" in str(e).lower():
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            what = f" ({found.group(1)})" if found else ""
+            raise CheckpointError(f"{path}: refused: it holds Python objects other than tensors and plain values"
+                                  f"{what}, which may contain code; it was not loaded") from None
+        raise CheckpointError(f"{path}: damaged checkpoint ({_first_line(e)})") from None
+    except Exception as e:  # torch.load raises many types on damaged bytes; all mean "not readable"
+        raise CheckpointError(f"{path}: damaged checkpoint ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(e)).strip()  # no terminal escape codes
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
 def _upgrade_v1(payload: dict[str, Any]) -> dict[str, Any]:

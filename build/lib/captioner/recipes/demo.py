@@ -40,7 +40,7 @@ def run_demo(out_dir: str | Path, device: str = "auto", overrides: list[str] | N
     """Train on shapes into `out_dir`, evaluate on the test split, caption and draw one test image."""
     out_dir = Path(out_dir)
     cfg = demo_config(overrides)
-    result = train(cfg, out_dir, device)
+    result = train(cfg, out_dir, device, overwrite=True)  # the demo's folder is the demo's: a rerun replaces it
     captioner = Captioner.from_checkpoint(result.best or result.last, device)
     test = [r for r in load_records(cfg.data) if r.split == "test"]
     evaluation = evaluate_records(captioner, test)

@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 
 from captioner.config import DataConfig, EncoderConfig
+from captioner.data.cache import cache_dir_of
 from captioner.data.cache_build import build_cache
 from captioner.data.records import SPLITS, SourceError
 from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.errors import CaptionerError
+from captioner.files import writable_dir
 from captioner.model.encoder import build_encoder
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,8 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, d
             image_root: str | Path | None = None, batch_size: int = 32, progress: bool = True) -> PrepareSummary:
     """Load records, build the vocabulary from the train split (saved as `out_dir/vocab.json`) and,
     with a frozen encoder and `data.use_cache`, the feature cache for every split (in
-    `data.cache_dir`, default `out_dir/cache`). Raises CaptionerError for bad input."""
-    out_dir = Path(out_dir)
+    `data.cache_dir`, default `$CAPTIONER_CACHE/features`, where `captioner train` finds it). Raises CaptionerError for bad input."""
+    out_dir = writable_dir(out_dir)
     records = load_records(data, image_root)
     train_captions = [c for r in records if r.split == "train" for c in r.captions]
     if not train_captions:
@@ -61,8 +63,7 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, d
         summary.notes.append("feature cache not used: the encoder is fine-tuned (model.encoder.trainable_stages > 0)")
     else:
         encoder = build_encoder(encoder_cfg, pretrained=True)
-        cache_dir = Path(data.cache_dir).expanduser() if data.cache_dir else out_dir / "cache"
-        result = build_cache(records, encoder, cache_dir, batch_size=batch_size, device=device,
+        result = build_cache(records, encoder, cache_dir_of(data), batch_size=batch_size, device=device,
                              num_workers=data.num_workers, progress=progress)
         bad = {p for p, _ in result.skipped}
         usable = [r for r in records if r.image not in bad]

@@ -8,19 +8,23 @@ the data order depends on. The run config is stored once, in the checkpoint's `c
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from captioner.config import Config, ConfigError, apply_overrides, load_config, parse_config, to_dict
 from captioner.data.order import EpochBatchSampler, mix_seed, steps_per_epoch
 from captioner.data.vocab import Vocabulary
+from captioner.files import atomic_write_text
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.training.distributed import DistInfo, all_gather_objects, barrier, capture_rng, restore_rng
@@ -105,6 +109,8 @@ class Run:
     writer: Any = None  # TensorBoard SummaryWriter when tensorboard is installed (rank 0)
     history: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # last validation
+    replacing: bool = False  # out_dir holds another run, to be removed at this run's first checkpoint
+    claimed: bool = False  # the folder is this run's: its first checkpoint was written (or it is resumed)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -142,11 +148,44 @@ def _meta(run: Run) -> dict[str, Any]:
             "best": {"metric": run.cfg.train.val_metric, "value": st.best, "step": st.best_step}}
 
 
+def existing_run(folder: Path) -> str | None:
+    """What of a training run `folder` holds ("last.pt at step 120", "best.pt, metrics.jsonl"), or None."""
+    found = [name for name in (LAST, BEST, METRICS) if (folder / name).exists()]
+    if not found:
+        return None
+    if LAST in found:
+        try:
+            return f"{LAST} at step {load_checkpoint(folder / LAST).meta.get('step', '?')}"
+        except CheckpointError:
+            pass
+    return ", ".join(found)
+
+
+def claim(run: Run) -> None:
+    """Make the run folder this run's (rank 0, at its first checkpoint): what an earlier run left
+    (its checkpoints, metrics, TensorBoard logs) goes now, not before, so a run that fails before
+    its first checkpoint never costs the earlier one anything."""
+    if run.claimed or not run.dist.is_main:
+        return
+    for name in (LAST, BEST, METRICS):
+        (run.out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(run.out_dir / "tb", ignore_errors=True)
+    _start_files(run)
+
+
+def _start_files(run: Run) -> None:
+    atomic_write_text(run.out_dir / CONFIG, yaml.safe_dump(to_dict(run.cfg), sort_keys=False))
+    run.writer = _summary_writer(run.out_dir)
+    run.claimed = True
+
+
 def save_last(run: Run) -> Path:
     """Write `last.pt` (atomic; rank 0). Collective: call it on every rank."""
     train_state = _train_state(run)
     path = run.out_dir / LAST
     if run.dist.is_main:
+        if not run.claimed:
+            claim(run)
         save_checkpoint(path, run.cfg, run.vocab, run.model.state_dict(), train_state, _meta(run))
     barrier()
     return path
@@ -154,9 +193,29 @@ def save_last(run: Run) -> Path:
 
 def save_best(run: Run) -> Path:
     """Write `best.pt`: the model, vocabulary, config and metrics, no resume state (rank 0 only)."""
+    if not run.claimed:
+        claim(run)
     path = run.out_dir / BEST
     save_checkpoint(path, run.cfg, run.vocab, run.model.state_dict(), None, _meta(run))
     return path
+
+
+def append_metrics(run: Run, line: dict[str, Any]) -> None:
+    """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when it is installed."""
+    with open(run.out_dir / METRICS, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    if run.writer is not None:
+        for k, v in line.items():
+            if k not in ("epoch", "step"):
+                run.writer.add_scalar(k, v, line["step"])
+
+
+def _summary_writer(out_dir: Path) -> Any:
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(out_dir / "tb"))
 
 
 def restore(run: Run, ts: dict[str, Any]) -> None:
@@ -186,6 +245,7 @@ def restore(run: Run, ts: dict[str, Any]) -> None:
         torch.manual_seed(mix_seed(run.cfg.train.seed, run.dist.rank, run.state.step))
     if run.dist.is_main:
         truncate_metrics(run.out_dir / METRICS, run.state.step)
+        _start_files(run)
     log.info("resumed at epoch %d, batch %d, step %d", run.state.epoch + 1, run.state.batch, run.state.step)
 
 
@@ -193,10 +253,15 @@ def truncate_metrics(path: Path, step: int) -> None:
     """Drop the lines a killed run wrote after its last checkpoint (they will be written again)."""
     if not path.is_file():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    keep = [ln for ln in lines if json.loads(ln).get("step", 0) <= step]
+    keep, lines = [], [ln for ln in path.read_text().splitlines() if ln.strip()]
+    for ln in lines:
+        try:
+            if json.loads(ln).get("step", 0) <= step:
+                keep.append(ln)
+        except json.JSONDecodeError:  # the half-written last line of a killed run
+            pass
     if len(keep) != len(lines):
-        path.write_text("".join(ln + "\n" for ln in keep))
+        atomic_write_text(path, "".join(ln + "\n" for ln in keep))
 
 
 def run_config(config: str | Path | None, overrides: list[str], resume: str | Path | None = None,
@@ -212,8 +277,8 @@ def run_config(config: str | Path | None, overrides: list[str], resume: str | Pa
         except ConfigError as e:
             raise ConfigError(f"{resume}: {e}") from None
     else:
-        if config is None:
-            raise ConfigError("give --config FILE (or --resume RUN/last.pt)")
+        if config is None and data is None:
+            raise ConfigError("give --config FILE or NAME, --data PATH (with the default settings), or --resume RUN/last.pt")
         cfg = load_config(config, overrides)
     if data:
         cfg = replace(cfg, data=replace(cfg.data, path=data))

@@ -1,7 +1,5 @@
-"""Configuration: small frozen dataclasses, parsed from YAML files and `section.key=value` overrides.
-
-Everything that reads a file or the command line into configuration lives here. Functions elsewhere
-take the sub-config (or plain arguments) they need, never the whole `Config`.
+"""Reading configuration: YAML files, `section.key=value` overrides and checkpoints' stored configs
+-> the checked dataclasses of `captioner.config.schema`, with the keys of older versions read.
 
 Shipped configs live in `captioner/configs/` (package data): `--config shapes` finds
 `captioner/configs/shapes.yaml` from anywhere, `--config configs/shapes.yaml` from the repository.
@@ -14,111 +12,16 @@ import math
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import yaml
 
-from captioner.errors import CaptionerError
+from captioner.config.schema import Config, ConfigError, EncoderConfig
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-
-
-class ConfigError(CaptionerError):
-    """A configuration file or override that does not fit the dataclasses (one-line message)."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    path: str = "shapes"  # a folder or caption file (layout detected), or "shapes" for the built-in set
-    val_fraction: float = 0.1  # used only when the source has no split of its own
-    test_fraction: float = 0.0
-    split_seed: int = 0
-    min_word_count: int = 1  # rarer words become <unk>
-    max_length: int = 20  # words per caption, without <start>/<end>; longer captions are cut
-    cache_dir: str = ""  # feature cache folder; "" = <out>/cache
-    use_cache: bool = True  # with a frozen encoder, compute each image's grid once
-    augment: bool = False  # train-time augmentation (only without the cache)
-    num_workers: int = 0
-    shapes_images: int = 1000  # size of the built-in shapes set
-    shapes_seed: int = 0
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    name: str = "efficientnet_lite0"
-    image_size: int = 256  # square input side, pixels
-    weights: str = ""  # local state dict; "" = the backbone's own pretrained weights
-    trainable_stages: int = 0  # fine-tune the last N stages (0 = frozen, eval mode)
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    embed_dim: int = 256
-    hidden_dim: int = 512
-    attention_dim: int = 256
-    dropout: float = 0.5
-    feature_dim: int = 512  # project the encoder's D-wide regions to this width once per image (0 = keep D)
-    position: bool = True  # add learned row + column embeddings to the regions, so attention can select by place
-    gate: bool = True  # Show-Attend-Tell's beta = sigmoid(Linear(h)) on the context
-    init_pooling: str = "mean"  # "mean" | "attention" | "none" (zeros): how the grid becomes the initial state
-    # "before": attend with the state from before the previous word was read (Show, Attend and Tell);
-    # "after": read it first, then attend with the new state, so the query knows the word just written
-    attend: str = "before"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    encoder: EncoderConfig = field(default_factory=EncoderConfig)
-    decoder: DecoderConfig = field(default_factory=DecoderConfig)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    epochs: int = 20
-    batch_size: int = 64
-    optimizer: str = "adamw"  # "adam" | "adamw"
-    lr: float = 4e-4
-    encoder_lr: float = 1e-4  # for the fine-tuned encoder stages
-    weight_decay: float = 0.0
-    grad_clip: float = 5.0
-    schedule: str = "cosine"  # "cosine" | "constant"
-    warmup_steps: int = 0
-    # Weight of the doubly stochastic attention term, mean over regions of (1 - sum_t alpha)^2: every
-    # region looked at about once per caption. 6.4 = the 0.1 per summed region measured best on
-    # flickr8k-800's 64 regions (val CIDEr 0.531 vs 0.495 at 1.0 summed).
-    coverage_weight: float = 6.4
-    entropy_weight: float = 0.0  # attention entropy penalty: sharper maps, one object per look
-    label_smoothing: float = 0.0
-    scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
-    amp: str = "auto"  # "auto" | "bf16" | "fp16" | "off"
-    seed: int = 0
-    val_every_steps: int = 0  # 0 = validate once per epoch
-    val_images: int = 0  # 0 = all validation images
-    val_metric: str = "CIDEr"
-    patience: int = 5  # epochs (validations) without improvement before stopping; 0 = never stop early
-    checkpoint_every_steps: int = 0  # also write last.pt every N steps (0 = at the end of each epoch only)
-    group_by_image: bool = True  # an image's captions share a batch: its grid is projected once for all of them
-    log_every: int = 10
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    beam_size: int = 5
-    max_length: int = 20
-    length_penalty: float = 1.0  # rank finished captions by logprob / length ** length_penalty
-    no_repeat_ngram: int = 0  # 0 = off
-
-
-@dataclass(frozen=True)
-class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -127,11 +30,12 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
-    """Build dataclass `cls` from nested dicts, rejecting unknown keys and wrong types."""
+    """Build dataclass `cls` from nested dicts, rejecting unknown keys and wrong types; the dataclass
+    then checks its values (`captioner.config.schema`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
@@ -145,6 +49,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value if value is not None else {}, path)
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("off" if not value else "on") in choices:
+            return "off" if not value else "on"  # YAML 1.1 reads an unquoted off / on as a boolean
+        if value in choices:
+            return value
+        raise ConfigError(f"config key '{path}': {value!r} is not allowed (one of {', '.join(map(repr, choices))})")
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
@@ -289,19 +200,37 @@ def find_config(name: str | Path) -> Path:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (a path or a shipped config's name; the defaults when `path` is None),
-    apply overrides, validate."""
+    apply overrides, check. Every problem is a one-line ConfigError naming the file or the key."""
     data: dict[str, Any] = {}
     if path is not None:
         path = find_config(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        data = loaded or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+        data = _read_yaml(path)
     data = apply_overrides(data, overrides or [])
     try:
         return parse_config(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a config file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    loaded = loaded or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (data:, model:, train:, decode:), "
+                          f"got {type(loaded).__name__}")
+    return loaded
