@@ -146,3 +146,16 @@ def test_cli_evaluate_reports_an_empty_split(tmp_path, monkeypatch, capsys):
     data.write_text("image,caption\n" + "".join(f"{i}.jpg,a red circle\n" for i in range(12)))  # train/val only
     code = main(["evaluate", "--checkpoint", str(_save(tmp_path / "m.pt")), "--data", str(data), "--device", "cpu"])
     assert code == 2 and "no images in split 'test'" in capsys.readouterr().err
+
+
+def test_a_pil_image_is_captioned_exactly_as_its_file(checkpoint, tmp_path):
+    """An EXIF-rotated photo: the API upright-rotates an opened image just as it does the path."""
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    _image(5, (90, 40)).save(tmp_path / "rotated.jpg", exif=exif, quality=95)
+    captioner = Captioner.from_checkpoint(checkpoint, device="cpu")
+    (from_path,) = captioner.caption([tmp_path / "rotated.jpg"], beam_size=2)
+    (from_memory,) = captioner.caption([PIL.Image.open(tmp_path / "rotated.jpg")], beam_size=2)
+    assert from_memory.image_size == from_path.image_size == (40, 90)
+    assert from_memory.text == from_path.text and from_memory.score == pytest.approx(from_path.score)
+    np.testing.assert_allclose(from_memory.attention, from_path.attention)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.data.images import ImageError, load_image
+from captioner.data.images import ImageError, load_image, prepare_image
 
 
 def _save(im: Image.Image, path, **kw):
@@ -73,3 +73,26 @@ def test_decompression_bomb_guard_stays_on(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 10,000 px > 2x the limit -> refused
     with pytest.raises(ImageError, match="decompression bomb"):
         load_image(path)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "I;16"])
+def test_an_image_in_memory_is_treated_exactly_as_its_file(tmp_path, mode):
+    """EXIF rotation, alpha and 16-bit depth: `prepare_image(Image.open(p))` equals `load_image(p)`,
+    and the caller's image is left as it was."""
+    rng = np.random.default_rng(0)
+    if mode == "I;16":
+        im = Image.fromarray(rng.integers(0, 65535, (10, 30), dtype=np.uint16))
+        path, kwargs = tmp_path / "deep.png", {}
+    else:
+        im = Image.fromarray(rng.integers(0, 255, (10, 30, len(mode)), dtype=np.uint8), mode)
+        exif = Image.Exif()
+        exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+        path, kwargs = (tmp_path / "r.png", {"exif": exif})
+    im.save(path, **kwargs)
+    opened = Image.open(path)
+    size, mode_before = opened.size, opened.mode
+    from_memory = prepare_image(opened)
+    assert np.array_equal(np.asarray(from_memory), np.asarray(load_image(path))) and from_memory.mode == "RGB"
+    assert opened.size == size and opened.mode == mode_before
+    if mode != "I;16":
+        assert from_memory.size == (10, 30)  # upright

@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from captioner.cli.common import add_decode_options, add_device, decode_overrides, print_evaluation
 from captioner.errors import CaptionerError
+from captioner.files import atomic_write_text, writable_file
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     settings = decode_overrides(args)
     if args.limit is not None and args.limit < 1:
         raise CaptionerError(f"--limit must be at least 1, got {args.limit}")
+    if args.out:
+        writable_file(args.out, "report")  # before minutes of captioning, not after
     result, data = evaluate_checkpoint(args.checkpoint, args.split, args.data, args.image_root, args.limit,
                                        args.device, args.batch_size, meteor=False if args.no_meteor else None,
                                        progress=_tqdm if sys.stderr.isatty() else None, **settings)
@@ -48,9 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if len(result.skipped) > 20:
         print(f"skipped:  ... and {len(result.skipped) - 20} more")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         report = {"checkpoint": str(args.checkpoint), "data": data, "split": args.split, **result.to_json()}
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {atomic_write_text(args.out, json.dumps(report, indent=1) + chr(10))}")
     return 0 if result.captions else 1

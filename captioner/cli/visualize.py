@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 
 from captioner.cli.common import add_decode_options, add_device, decode_overrides
+from captioner.errors import CaptionerError
+from captioner.files import writable_dir, writable_file
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +27,13 @@ def run(args: argparse.Namespace) -> int:
     from captioner.pictures.figures import plot_attention
 
     settings = decode_overrides(args)
+    for path, what in ((args.out, "picture"), (args.gif, "GIF")):
+        if path:
+            writable_file(path, what)  # before the model loads, not after
+    if args.per_word:
+        writable_dir(args.per_word, "folder for the per-word pictures")
+    if not 0 <= args.opacity <= 1:
+        raise CaptionerError(f"--opacity must be in [0, 1], got {args.opacity}")
     image = load_image(args.image)
     captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
     (caption,) = captioner.caption([image], **settings)

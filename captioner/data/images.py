@@ -59,7 +59,19 @@ def load_image(path: str | Path) -> Image.Image:
         raise ImageError(f"{path}: truncated or corrupt image ({_reason(e)})") from None
 
 
-def _exif_transpose(im: Image.Image, path: Path) -> Image.Image:
+def prepare_image(image: Image.Image, name: str = "<image>") -> Image.Image:
+    """An image given in memory made exactly what `load_image` makes of a file: decoded, EXIF
+    orientation applied, any mode converted to 8-bit RGB. The caller's image is left as it was.
+    Raises ImageError (naming `name`) when its data cannot be decoded."""
+    try:
+        image.load()
+        oriented = _exif_transpose(image.copy(), name)
+        return to_rgb(oriented)
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
+        raise ImageError(f"{name}: truncated or corrupt image ({_reason(e)})") from None
+
+
+def _exif_transpose(im: Image.Image, path: Path | str) -> Image.Image:
     try:
         ImageOps.exif_transpose(im, in_place=True)  # no copy when there is nothing to rotate
         return im

@@ -24,7 +24,7 @@ import PIL.Image
 import torch
 
 from captioner.config import DecodeConfig
-from captioner.data.images import ImageError, load_image
+from captioner.data.images import ImageError, load_image, prepare_image
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.search import Hypothesis, decode
 from captioner.model.caption_model import CaptionModel
@@ -119,7 +119,8 @@ class Captioner:
         """Caption images, `batch_size` at a time (the encoder runs once per image).
 
         Args:
-            images: PIL images or image file paths (loaded with `load_image`).
+            images: PIL images or image file paths, treated alike (`prepare_image` / `load_image`: EXIF
+                orientation applied, any mode to RGB).
             batch_size: images per encoder + search batch.
             decode_overrides: DecodeConfig fields, e.g. beam_size=3, max_length=16.
         Returns:
@@ -130,7 +131,7 @@ class Captioner:
         out: list[Caption] = []
         for start in range(0, len(images), batch_size):
             chunk = images[start : start + batch_size]
-            pil = [im if isinstance(im, PIL.Image.Image) else load_image(im) for im in chunk]
+            pil = [prepare_image(im) if isinstance(im, PIL.Image.Image) else load_image(im) for im in chunk]
             paths = [None if isinstance(im, PIL.Image.Image) else str(im) for im in chunk]
             out += self._caption_batch(pil, paths, cfg)
         return out

@@ -18,6 +18,7 @@ import PIL.Image
 from PIL import ImageDraw, ImageFont
 
 from captioner.decoding.captioner import Caption
+from captioner.files import atomic_open
 from captioner.pictures.overlay import render_attention
 
 PANEL_INCHES = 2.4  # width of one panel
@@ -90,7 +91,8 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
             ax.set_title(label, fontsize=12, pad=3, color="dimgray" if i == 0 else "black")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, facecolor="white")
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi, facecolor="white")
     if per_word_dir is not None or gif_path is not None:
         frames = word_frames(image, caption, opacity, cmap)
         if per_word_dir is not None:
@@ -169,7 +171,8 @@ def save_per_word(frames: list[PIL.Image.Image], words: list[str], folder: str |
     paths = []
     for t, (frame, word) in enumerate(zip(frames, words)):
         paths.append(folder / f"{t + 1:02d}_{_safe(word)}.png")
-        frame.save(paths[-1])
+        with atomic_open(paths[-1], "wb") as f:
+            frame.save(f, format="PNG")
     return paths
 
 
@@ -184,5 +187,7 @@ def save_gif(frames: list[PIL.Image.Image], path: str | Path, frame_ms: int = 90
         canvas.paste(f, (0, 0))
         padded.append(canvas)
     durations = [frame_ms * 2] + [frame_ms] * (len(padded) - 2) + [frame_ms * 2] if len(padded) > 1 else [frame_ms]
-    padded[0].save(path, save_all=True, append_images=padded[1:], duration=durations, loop=0, optimize=False)
+    with atomic_open(path, "wb") as f:
+        padded[0].save(f, format="GIF", save_all=True, append_images=padded[1:], duration=durations, loop=0,
+                       optimize=False)
     return path

@@ -82,19 +82,23 @@ def check_environment(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 def check_same_data(resume: Checkpoint, train_records: list[Record], vocab: Vocabulary) -> None:
     """A resumed run trains on the data it started with: refuse (one line, saying what differs) when
-    the vocabulary would change or the training captions are not the same."""
-    old, new = resume.vocab, vocab
-    if old != new:
-        added = [w for w in new.to_list() if w not in old][:3]
-        gone = [w for w in old.to_list() if w not in new][:3]
-        raise CaptionerError(f"--resume: the training captions changed since this run started: its vocabulary of "
-                             f"{len(old):,} words would become {len(new):,} (new: {', '.join(added) or '-'}; "
-                             f"gone: {', '.join(gone) or '-'}); resume with the run's data, or start a new run")
+    the training captions are not the same or the vocabulary would change."""
     then, now = resume.meta.get("data"), fingerprint(train_records)
-    if isinstance(then, dict) and then.get("digest") != now["digest"]:
-        raise CaptionerError(f"--resume: the training data differ from the run's ({then.get('images'):,} images, "
-                             f"{then.get('captions'):,} captions then; {now['images']:,} images, "
-                             f"{now['captions']:,} captions now); resume with the run's data, or start a new run")
+    differs = isinstance(then, dict) and then.get("digest") != now["digest"]
+    if not differs and resume.vocab == vocab:
+        return
+    parts = []
+    if differs:
+        parts.append(f"{then.get('images'):,} images, {then.get('captions'):,} captions then; {now['images']:,} "
+                     f"images, {now['captions']:,} captions now")
+    if resume.vocab != vocab:
+        added = [w for w in vocab.to_list() if w not in resume.vocab][:3]
+        gone = [w for w in resume.vocab.to_list() if w not in vocab][:3]
+        parts.append(f"its vocabulary of {len(resume.vocab):,} words would become {len(vocab):,}, "
+                     + (f"new: {', '.join(added) or '-'}; gone: {', '.join(gone) or '-'}" if added or gone
+                        else "the same words in another order"))
+    raise CaptionerError(f"--resume: the training data differ from the run's ({'; '.join(parts)}): resume with the "
+                         f"run's data, or start a new run")
 
 
 def build_datasets(data: DataConfig, seed: int, batch_size: int, encoder: Encoder, train_records: list[Record],
