@@ -255,14 +255,17 @@ def test_seeded_items_give_a_batch_the_same_augmentation_whenever_it_is_loaded()
     assert not torch.equal(items.__getitems__([0, 1, 5])[0], first[0])  # a new epoch, new crops
 
 
-def test_meter_round_trips_and_reads_totals_written_before_the_entropy_term():
+def test_meter_round_trips_and_reads_totals_written_before_the_entropy_and_reward_terms():
     from captioner.training.loss import LossOutput
 
     meter = Meter()
-    meter.add(LossOutput(*(torch.tensor(v) for v in (4.0, 3.0, 2.0, 1.0))), captions=10, tokens=50, seconds=0.5)
+    meter.add(LossOutput(*(torch.tensor(v) for v in (4.0, 3.0, 2.0, 1.0, 0.5))), captions=10, tokens=50, seconds=0.5)
     restored = Meter()
     restored.load(meter.totals())
-    assert restored.totals() == meter.totals() == [40.0, 30.0, 20.0, 10.0, 10.0, 50.0, 1.0, 0.5]
-    old = Meter()
-    old.load([40.0, 30.0, 20.0, 10.0, 50.0, 1.0, 0.5])  # a last.pt from before: total, xent, coverage, ...
-    assert old.totals() == [40.0, 30.0, 20.0, 0.0, 10.0, 50.0, 1.0, 0.5]
+    assert restored.totals() == meter.totals() == [40.0, 30.0, 20.0, 10.0, 5.0, 10.0, 50.0, 1.0, 0.5]
+    older = Meter()
+    older.load([40.0, 30.0, 20.0, 10.0, 10.0, 50.0, 1.0, 0.5])  # a last.pt of 0.1: no reward term
+    assert older.totals() == [40.0, 30.0, 20.0, 10.0, 0.0, 10.0, 50.0, 1.0, 0.5]
+    oldest = Meter()
+    oldest.load([40.0, 30.0, 20.0, 10.0, 50.0, 1.0, 0.5])  # before the entropy term too
+    assert oldest.totals() == [40.0, 30.0, 20.0, 0.0, 0.0, 10.0, 50.0, 1.0, 0.5]

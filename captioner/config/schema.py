@@ -33,7 +33,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.encoder": {"image_size": "[32, 4096]", "trainable_stages": ">= 0"},
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
-    "train": {"epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
+    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
@@ -134,6 +134,13 @@ class ModelConfig(_Section):
 @dataclass(frozen=True)
 class TrainConfig(_Section):
     SECTION: ClassVar[str] = "train"
+    # "xent": cross-entropy on the reference captions. "scst": self-critical sequence training, which
+    # fine-tunes a cross-entropy model (`init`) to raise the CIDEr-D of its own sampled captions.
+    objective: Literal["xent", "scst"] = "xent"
+    init: str = ""  # start from this checkpoint's weights, vocabulary and model config (a new run; scst needs it)
+    scst_samples: int = 5  # captions sampled per image; each is judged against the mean reward of the others
+    scst_baseline: Literal["mean", "greedy"] = "mean"  # or the reward of the image's greedy caption
+    scst_xent_weight: float = 0.0  # mix in this much cross-entropy on the references
     epochs: int = 20
     batch_size: int = 64
     optimizer: Literal["adam", "adamw"] = "adamw"
@@ -159,6 +166,15 @@ class TrainConfig(_Section):
     checkpoint_every_steps: int = 0  # also write last.pt every N steps (0 = at the end of each epoch only)
     group_by_image: bool = True  # an image's captions share a batch: its grid is projected once for all of them
     log_every: int = 10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.objective == "scst" and not self.init:
+            raise ConfigError("config key 'train.objective': 'scst' needs train.init (--init RUN/best.pt), the "
+                              "cross-entropy checkpoint it fine-tunes")
+        if self.objective == "scst" and self.scst_baseline == "mean" and self.scst_samples < 2:
+            raise ConfigError(f"config key 'train.scst_samples': {self.scst_samples} is not allowed with "
+                              f"scst_baseline 'mean' (each sample is judged against the others: at least 2)")
 
 
 @dataclass(frozen=True)

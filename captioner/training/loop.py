@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.config import Config, DecodeConfig
-from captioner.data.datasets import Batch, collate
+from captioner.data.datasets import Batch, ImageBatch, collate, collate_images
 from captioner.data.order import SeededItems, mix_seed
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.metrics import caption_metrics
@@ -123,7 +123,7 @@ def train_loader(run: Run, epoch: int, start_batch: int) -> DataLoader:
     run.sampler.set_epoch(epoch, start_batch)
     if isinstance(run.train_set, SeededItems):
         run.train_set.set_epoch(epoch)
-    return DataLoader(run.train_set, batch_sampler=run.sampler, collate_fn=collate,
+    return DataLoader(run.train_set, batch_sampler=run.sampler, collate_fn=collate if run.scst is None else collate_images,
                       num_workers=run.cfg.data.num_workers, pin_memory=run.device.type == "cuda",
                       generator=torch.Generator().manual_seed(mix_seed(run.cfg.train.seed, epoch)))
 
@@ -131,20 +131,14 @@ def train_loader(run: Run, epoch: int, start_batch: int) -> DataLoader:
 # --- steps ------------------------------------------------------------------------------------
 
 
-def train_step(net: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, batch: Batch,
-               device: torch.device, amp_dtype: torch.dtype | None = None, sampling_prob: float = 0.0,
-               grad_clip: float = 0.0) -> LossOutput:
-    """One optimiser step on a batch; returns the (detached) loss terms."""
-    inputs = batch.inputs.to(device, non_blocking=True)  # (N, L, D) features or (N, 3, S, S) images
-    tokens = batch.tokens.to(device, non_blocking=True)  # (B, T + 1)
-    lengths = batch.lengths.to(device, non_blocking=True)  # (B,)
-    rows = batch.rows.to(device, non_blocking=True)  # (B,) each caption's image
-    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        out = net(inputs, tokens, lengths, rows, sampling_prob=sampling_prob)  # packed: logits (P, V), alphas (P, L)
-        loss = criterion(out, tokens)
+Step = Callable[[Any], tuple[LossOutput, int, int]]  # a batch -> (detached loss terms, captions, tokens)
+
+
+def optimize(total: Tensor, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+             scaler: torch.amp.GradScaler, grad_clip: float = 0.0) -> None:
+    """Backward, clip, one optimiser and one scheduler step."""
     optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss.total).backward()
+    scaler.scale(total).backward()
     if grad_clip > 0:
         scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -152,27 +146,55 @@ def train_step(net: nn.Module, criterion: Criterion, optimizer: torch.optim.Opti
     scaler.step(optimizer)
     scaler.update()
     scheduler.step()
+
+
+def train_step(net: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler, batch: Batch,
+               device: torch.device, amp_dtype: torch.dtype | None = None, sampling_prob: float = 0.0,
+               grad_clip: float = 0.0) -> LossOutput:
+    """One cross-entropy optimiser step on a batch of captions; returns the (detached) loss terms."""
+    inputs = batch.inputs.to(device, non_blocking=True)  # (N, L, D) features or (N, 3, S, S) images
+    tokens = batch.tokens.to(device, non_blocking=True)  # (B, T + 1)
+    lengths = batch.lengths.to(device, non_blocking=True)  # (B,)
+    rows = batch.rows.to(device, non_blocking=True)  # (B,) each caption's image
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        out = net(inputs, tokens, lengths, rows, sampling_prob=sampling_prob)  # packed: logits (P, V), alphas (P, L)
+        loss = criterion(out, tokens)
+    optimize(loss.total, optimizer, scheduler, scaler, grad_clip)
     return LossOutput(*(t.detach() for t in loss))
 
 
-def train_one_epoch(net: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, scaler: torch.amp.GradScaler,
-                    loader: DataLoader, device: torch.device, meter: Meter, *, amp_dtype: torch.dtype | None = None,
-                    sampling_prob: float = 0.0, grad_clip: float = 0.0, log_every: int = 10,
+def epoch_step(run: Run, criterion: Criterion, sampling_prob: float) -> Step:
+    """What one step of `run` does with a batch: cross-entropy on its captions, or self-critical
+    training on its images (`run.scst`)."""
+    tc = run.cfg.train
+    if run.scst is None:
+        def step(batch: Batch) -> tuple[LossOutput, int, int]:
+            loss = train_step(run.net, criterion, run.optimizer, run.scheduler, run.scaler, batch, run.device,
+                              run.amp_dtype, sampling_prob, tc.grad_clip)
+            return loss, len(batch.lengths), int(batch.lengths.sum())
+    else:
+        def step(batch: ImageBatch) -> tuple[LossOutput, int, int]:
+            loss = run.scst.loss(batch, run.device, run.amp_dtype)
+            optimize(loss.total, run.optimizer, run.scheduler, run.scaler, tc.grad_clip)
+            samples = len(batch.image_ids) * tc.scst_samples
+            return LossOutput(*(t.detach() for t in loss)), samples, samples
+    return step
+
+
+def train_one_epoch(step: Step, loader: DataLoader, meter: Meter, *, log_every: int = 10,
                     after_step: Callable[[LossOutput], bool] | None = None, progress: bool = True,
                     desc: str = "train") -> int:
-    """Train on every batch of `loader`, adding to `meter`. `after_step(loss)` runs after each step
-    (checkpoints, step validation) and ends the epoch early by returning True. Time spent in it
+    """Run `step` on every batch of `loader`, adding to `meter`. `after_step(loss)` runs after each
+    step (checkpoints, step validation) and ends the epoch early by returning True. Time spent in it
     is not counted as training time. Returns the number of steps taken."""
-    net.train()
     steps = 0
     bar = tqdm(loader, desc=desc, unit="batch", leave=False, dynamic_ncols=True, disable=None if progress else True)
     tick = time.perf_counter()
     for batch in bar:
-        loss = train_step(net, criterion, optimizer, scheduler, scaler, batch, device, amp_dtype, sampling_prob,
-                          grad_clip)
+        loss, captions, tokens = step(batch)
         now = time.perf_counter()
-        meter.add(loss, len(batch.lengths), int(batch.lengths.sum()), now - tick)
+        meter.add(loss, captions, tokens, now - tick)
         steps += 1
         if steps % max(1, log_every) == 0 and not bar.disable:
             bar.set_postfix(loss=f"{loss.total.item():.3f}", cap_s=f"{meter.captions / max(meter.seconds, 1e-9):.0f}")
@@ -218,7 +240,8 @@ def validate(run: Run) -> bool:
     """Score the validation images, keep `best.pt`, write the metrics line. Returns True when
     early stopping says stop. Collective."""
     tc, st = run.cfg.train, run.state
-    loss_sum, xent_sum, coverage_sum, entropy_sum, n, tokens, _, seconds = all_reduce_sum(run.meter.totals())
+    loss_sum, xent_sum, coverage_sum, entropy_sum, reward_sum, n, tokens, _, seconds = all_reduce_sum(
+        run.meter.totals())
     if not math.isfinite(loss_sum):
         raise CaptionerError(f"the training loss is not finite at step {st.step} (diverged): lower train.lr, "
                              f"keep train.grad_clip > 0, or resume from an earlier checkpoint")
@@ -243,6 +266,7 @@ def validate(run: Run) -> bool:
         "loss": loss_sum / max(n, 1), "xent": xent_sum / max(n, 1),
         **({"coverage": coverage_sum / max(n, 1)} if tc.coverage_weight else {}),
         **({"entropy": entropy_sum / max(n, 1)} if tc.entropy_weight else {}),
+        **({"reward": reward_sum / max(n, 1)} if run.scst is not None else {}),
         **{f"val_{k}": v for k, v in metrics.items()},
         "lr": run.optimizer.param_groups[0]["lr"], "seconds": round(seconds, 2), "val_seconds": round(val_seconds, 2),
         "captions_per_s": round(n / max(seconds, 1e-9), 1), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
@@ -291,10 +315,9 @@ def fit(run: Run, stop_after_steps: int | None = None, request: StopRequest | No
             return stop
 
         loader = train_loader(run, st.epoch, st.batch)
-        train_one_epoch(run.net, criterion, run.optimizer, run.scheduler, run.scaler, loader, run.device, run.meter,
-                        amp_dtype=run.amp_dtype, sampling_prob=sampling_probability(tc.scheduled_sampling, st.epoch,
-                                                                                    tc.epochs),
-                        grad_clip=tc.grad_clip, log_every=tc.log_every, after_step=after_step,
+        step = epoch_step(run, criterion, sampling_probability(tc.scheduled_sampling, st.epoch, tc.epochs))
+        run.net.train()
+        train_one_epoch(step, loader, run.meter, log_every=tc.log_every, after_step=after_step,
                         progress=run.dist.is_main, desc=f"epoch {st.epoch + 1}/{tc.epochs}")
         if st.batch >= per_epoch:  # the epoch is complete
             st.epoch, st.batch = st.epoch + 1, 0

@@ -23,6 +23,7 @@ class LossOutput(NamedTuple):
     xent: Tensor  # scalar: mean cross-entropy per real token
     coverage: Tensor  # scalar: mean over captions and regions of (1 - sum_t alpha)^2 (0 when its weight is 0)
     entropy: Tensor  # scalar: mean entropy (nats) of a real token's attention map (0 when its weight is 0)
+    reward: Tensor  # scalar: mean CIDEr-D reward of the sampled captions (self-critical training; else 0)
 
 
 Criterion = Callable[[DecoderOutput, Tensor], LossOutput]  # (packed output, (B, T + 1) tokens) -> loss
@@ -60,7 +61,7 @@ def caption_loss(
         alphas = out.alphas.float()  # (P, L)
         # clamped inside the log: 0 log 0 = 0 with a finite gradient (xlogy's would be infinite)
         entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(dim=-1).mean()
-    return LossOutput(xent + coverage_weight * coverage + entropy_weight * entropy, xent, coverage, entropy)
+    return LossOutput(xent + coverage_weight * coverage + entropy_weight * entropy, xent, coverage, entropy, zero)
 
 
 def build_criterion(cfg: TrainConfig) -> Criterion:

@@ -30,10 +30,11 @@ from captioner.decoding.metrics import java_available
 from captioner.errors import CaptionerError
 from captioner.files import remove_stale_temporaries, writable_dir
 from captioner.model.caption_model import CaptionModel, build_model
-from captioner.model.checkpoint import Checkpoint, restore_model
+from captioner.model.checkpoint import Checkpoint, load_checkpoint, restore_model
 from captioner.model.encoder import Encoder, build_encoder
 from captioner.runtime import autocast_dtype, seed_everything
 from captioner.training.distributed import DistInfo, all_gather_objects, main_first
+from captioner.training.scst import SelfCritical
 from captioner.training.state import Run, existing_run, restore
 
 log = logging.getLogger(__name__)
@@ -158,18 +159,24 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
             replacing = True
             log.warning("%s holds a run (%s): it is replaced once this run writes its first checkpoint", out_dir,
                         earlier)
-    encoder = build_encoder(cfg.model.encoder) if resume is None else None  # its weights, before any data
+    init = load_checkpoint(tc.init) if tc.init and resume is None else None  # the weights to start from
+    if tc.objective == "scst" and cfg.model.encoder.trainable_stages:
+        raise ConfigError("config key 'model.encoder.trainable_stages': self-critical training keeps the encoder "
+                          "frozen (0)")
+    encoder = build_encoder(cfg.model.encoder) if resume is None and init is None else None  # weights before data
 
     with main_first():  # the built-in shapes set is written by rank 0 alone
         train_records, val_records, split_sizes = load_splits(cfg)
     check_images(cfg.data, train_records + val_records)
     vocab = build_vocabulary([c for r in train_records for c in r.captions], cfg.data.min_word_count,
                              cfg.data.max_length)  # the same words `captioner prepare` counts
-    if resume is not None:
+    if init is not None:  # a new run from another run's weights, in that run's vocabulary
+        vocab, model = init.vocab, restore_model(init, tc.init)
+    elif resume is not None:
         if resume.model_config != cfg.model:
             raise CaptionerError("model.* settings cannot change when resuming (they are the checkpoint's)")
-        check_same_data(resume, train_records, vocab)
-        model = restore_model(resume)
+        check_same_data(resume, train_records, vocab if not tc.init else resume.vocab)
+        vocab, model = resume.vocab, restore_model(resume)
     else:
         torch.manual_seed(tc.seed)  # the same initial weights on every rank
         model = build_model(cfg.model, len(vocab), encoder=encoder)
@@ -186,17 +193,29 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
 
     model.to(device)
     optimizer = build_optimizer(model, tc)
-    total = tc.epochs * steps_per_epoch(n_train, tc.batch_size, dist.world_size)
+    captions = train_set.dataset if isinstance(train_set, SeededItems) else train_set
+    per_step = max(1, tc.batch_size // tc.scst_samples) if tc.objective == "scst" else tc.batch_size
+    n_items = len(captions.records) if tc.objective == "scst" else n_train  # images or captions
+    total = tc.epochs * steps_per_epoch(n_items, per_step, dist.world_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total, tc.warmup_steps, tc.schedule))
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    net: nn.Module = model.decoder if cached else model  # the part the steps run
+    # the part the steps run: the decoder, or the whole model when the encoder runs on every batch
+    net: nn.Module = model.decoder if cached or tc.objective == "scst" else model
     if dist.enabled:
         net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
-    captions = train_set.dataset if isinstance(train_set, SeededItems) else train_set
-    sampler = EpochBatchSampler(n_train, tc.batch_size, tc.seed, dist.rank, dist.world_size,
-                                groups=captions.image_of if tc.group_by_image else None)
+    scst = None
+    if tc.objective == "scst":  # batches of images, each sampled scst_samples times: ~batch_size captions a step
+        images = ImageDataset(captions.records, cache=captions.cache, transform=None if cached else
+                              model.encoder.transform(train=False))
+        scst = SelfCritical(model, net, images.references, vocab, tc, cfg.decode, cached)
+        train_set = images
+        sampler = EpochBatchSampler(len(images), max(1, tc.batch_size // tc.scst_samples), tc.seed, dist.rank,
+                                    dist.world_size)
+    else:
+        sampler = EpochBatchSampler(n_train, tc.batch_size, tc.seed, dist.rank, dist.world_size,
+                                    groups=captions.image_of if tc.group_by_image else None)
     val_share = Subset(val_set, range(dist.rank, len(val_set), dist.world_size))
     val_loader = DataLoader(val_share, batch_size=tc.batch_size, collate_fn=collate_images,
                             num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
@@ -205,7 +224,7 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
     meta = {"splits": split_sizes, "train_captions": n_train, "val_images": len(val_set),
             "data": fingerprint(train_records)}
     run = Run(cfg, out_dir, device, dist, vocab, model, net, cached, optimizer, scheduler, scaler, amp_dtype,
-              train_set, sampler, val_loader, references, meta, replacing=replacing)
+              train_set, sampler, val_loader, references, meta, scst=scst, replacing=replacing)
 
     if resume is not None and resume.train_state is not None:
         restore(run, resume.train_state)

@@ -21,7 +21,7 @@ import yaml
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.config import Config, ConfigError, apply_overrides, load_config, parse_config, to_dict
+from captioner.config import Config, ConfigError, ModelConfig, apply_overrides, load_config, parse_config, to_dict
 from captioner.data.order import EpochBatchSampler, mix_seed, steps_per_epoch
 from captioner.data.vocab import Vocabulary
 from captioner.files import atomic_write_text
@@ -51,7 +51,7 @@ class TrainState:
 class Meter:
     """Running sums of the training loss since the last metrics line (kept on the device: no sync per step)."""
 
-    TERMS = len(LossOutput._fields)  # total, xent, coverage, entropy
+    TERMS = len(LossOutput._fields)  # total, xent, coverage, entropy, reward
 
     def __init__(self) -> None:
         self.reset()
@@ -76,7 +76,9 @@ class Meter:
 
     def load(self, totals: list[float]) -> None:
         k = self.TERMS
-        if len(totals) == k + 3:  # written before the entropy term existed
+        if len(totals) == k + 2:  # written before the entropy and reward terms existed
+            totals = [*totals[: k - 2], 0.0, 0.0, *totals[k - 2:]]
+        elif len(totals) == k + 3:  # written before the reward term existed
             totals = [*totals[: k - 1], 0.0, *totals[k - 1:]]
         self.sums = torch.tensor(totals[:k], dtype=torch.float32) if totals[k] else None
         self.captions, self.tokens, self.steps = int(totals[k]), int(totals[k + 1]), int(totals[k + 2])
@@ -109,6 +111,7 @@ class Run:
     writer: Any = None  # TensorBoard SummaryWriter when tensorboard is installed (rank 0)
     history: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # last validation
+    scst: Any = None  # the self-critical objective (`captioner.training.scst.SelfCritical`), or None: cross-entropy
     replacing: bool = False  # out_dir holds another run, to be removed at this run's first checkpoint
     claimed: bool = False  # the folder is this run's: its first checkpoint was written (or it is resumed)
 
@@ -280,6 +283,11 @@ def run_config(config: str | Path | None, overrides: list[str], resume: str | Pa
         if config is None and data is None:
             raise ConfigError("give --config FILE or NAME, --data PATH (with the default settings), or --resume RUN/last.pt")
         cfg = load_config(config, overrides)
+        if cfg.train.init:  # the model is the initial checkpoint's
+            init = load_checkpoint(cfg.train.init)
+            if cfg.model not in (ModelConfig(), init.model_config):
+                raise ConfigError(f"model.* comes from train.init ({cfg.train.init}): leave it out of the config")
+            cfg = replace(cfg, model=init.model_config)
     if data:
         cfg = replace(cfg, data=replace(cfg.data, path=data))
     return cfg

@@ -1,0 +1,127 @@
+"""Self-critical sequence training (Rennie et al. 2017), with the "new self-critical" baseline of
+Luo (2020): fine-tune a cross-entropy model to raise the CIDEr-D of its own captions.
+
+For each image of a batch the model samples K captions (`train.scst_samples`); each is rewarded
+with its CIDEr-D against the image's references (document frequencies from all training references,
+fixed once), and pushed up or down by how much better it did than the mean reward of the image's
+other K - 1 samples (or than the image's greedy caption, `scst_baseline: greedy`):
+
+    loss = -mean over sampled words of (reward - baseline) * log p(word)
+
+The samples are drawn without gradients, in eval mode (no dropout); their log-probabilities then
+come from the packed teacher-forced pass over them, also in eval mode, so the gradient is that of
+the distribution sampled from. The baseline never gets a gradient. `scst_xent_weight` mixes in the
+cross-entropy of the references.
+
+Shapes: N images, K samples per image, R = N·K sampled captions, T words, P scored positions.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captioner.config import DecodeConfig, TrainConfig
+from captioner.data.datasets import ImageBatch
+from captioner.data.vocab import Vocabulary, tokenize
+from captioner.decoding.cider import CiderD
+from captioner.decoding.search import decode, sample
+from captioner.model.caption_model import CaptionModel
+from captioner.training.loss import LossOutput
+
+
+class SelfCritical:
+    """The SCST objective over batches of training images (`ImageBatch`: grids or pixels, image ids).
+
+    Args:
+        model: the captioning model (its encoder frozen).
+        net: what computes the teacher-forced pass with gradients: the decoder, DDP-wrapped when
+            distributed.
+        references: raw reference captions of each training image, by image id.
+        vocab, train_cfg, decode_cfg: the run's.
+        cached: the batches hold cached grids (else images for the frozen encoder).
+    """
+
+    def __init__(self, model: CaptionModel, net: nn.Module, references: Sequence[Sequence[str]], vocab: Vocabulary,
+                 train_cfg: TrainConfig, decode_cfg: DecodeConfig, cached: bool) -> None:
+        self.model, self.net, self.vocab, self.cfg, self.cached = model, net, vocab, train_cfg, cached
+        self.max_length = decode_cfg.max_length
+        self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
+        self.cider = CiderD(self.refs)
+        self.ref_ids = [[vocab.encode(c, decode_cfg.max_length) for c in refs] for refs in self.refs]
+        self.banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
+        self.reward_seconds = 0.0  # time spent computing rewards, for the step-time share
+
+    def rewards(self, words: list[list[str]], image_ids: list[int]) -> Tensor:
+        """(R,) CIDEr-D of each caption (tokens) against its image's references."""
+        tick = time.perf_counter()
+        scores = self.cider.scores(words, [self.refs[i] for i in image_ids])
+        self.reward_seconds += time.perf_counter() - tick
+        return torch.as_tensor(scores, dtype=torch.float32)
+
+    def words(self, tokens: Tensor) -> list[list[str]]:
+        """(R, T) sampled ids -> words up to <end>."""
+        return [self.vocab.decode(row) for row in tokens.tolist()]
+
+    def loss(self, batch: ImageBatch, device: torch.device, amp_dtype: torch.dtype | None = None) -> LossOutput:
+        """The SCST loss of a batch (with gradients); `reward` is the samples' mean CIDEr-D."""
+        K, decoder = self.cfg.scst_samples, self.model.decoder
+        inputs = batch.inputs.to(device, non_blocking=True)
+        image_ids = batch.image_ids.tolist()
+        was_training = decoder.training
+        decoder.eval()  # the log-probabilities of exactly the distribution sampled from
+        try:
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                features = inputs if self.cached else self.model.encoder.infer(inputs).clone()  # (N, L, D), autograd-usable
+                tokens, lengths = sample(decoder, features, K, self.max_length, self.vocab.start_id,
+                                         self.vocab.end_id, self.vocab.pad_id, self.banned)  # (R, T), (R,)
+                per_sample = [i for i in image_ids for _ in range(K)]
+                reward = self.rewards(self.words(tokens), per_sample).to(device)  # (R,)
+                if self.cfg.scst_baseline == "mean":  # the other samples of the same image
+                    by_image = reward.view(-1, K)  # (N, K)
+                    baseline = ((by_image.sum(1, keepdim=True) - by_image) / (K - 1)).view(-1)  # (R,)
+                else:
+                    greedy = decode(decoder, features, DecodeConfig(beam_size=1, max_length=self.max_length),
+                                    self.vocab)
+                    greedy_words = [self.vocab.decode(h.tokens) for h in greedy]
+                    baseline = self.rewards(greedy_words, image_ids).to(device).repeat_interleave(K)  # (R,)
+                advantage = (reward - baseline).detach()  # (R,) no gradient through the baseline
+                start = torch.full((len(tokens), 1), self.vocab.start_id, dtype=torch.long, device=device)
+                seqs = torch.cat([start, tokens.to(device)], dim=1)  # (R, T + 1) what the decoder reads
+                rows = torch.arange(len(image_ids), device=device).repeat_interleave(K)  # (R,) each sample's image
+                out = self.net(features, seqs, lengths.to(device), rows)  # packed: logits (P, V)
+                logp = self._token_log_probs(out.logits, seqs[out.caption, out.step + 1], out.step)  # (P,)
+                policy = -(advantage[out.caption] * logp).mean()
+                xent = logp.new_zeros(())
+                if self.cfg.scst_xent_weight:
+                    xent = self._reference_xent(features, image_ids, device)
+                total = policy + self.cfg.scst_xent_weight * xent
+        finally:
+            decoder.train(was_training)
+        zero = total.new_zeros(())
+        return LossOutput(total, xent, zero, zero, reward.mean())
+
+    def _token_log_probs(self, logits: Tensor, targets: Tensor, step: Tensor) -> Tensor:
+        """(P, V) logits, (P,) targets and positions -> (P,) float32 log-probabilities of the targets
+        under the distribution `sample` draws from: banned ids, and <end> at the first word, masked."""
+        logits = logits.float().index_fill(1, torch.tensor(self.banned, device=logits.device), float("-inf"))
+        logits[:, self.vocab.end_id] = torch.where(step < 1, float("-inf"), logits[:, self.vocab.end_id])
+        return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+    def _reference_xent(self, features: Tensor, image_ids: list[int], device: torch.device) -> Tensor:
+        """Cross-entropy of the batch images' reference captions (teacher forcing, packed)."""
+        captions = [(n, ids) for n, i in enumerate(image_ids) for ids in self.ref_ids[i]]
+        width = max(len(ids) for _, ids in captions)
+        tokens = torch.full((len(captions), width), self.vocab.pad_id, dtype=torch.long)
+        for row, (_, ids) in enumerate(captions):
+            tokens[row, : len(ids)] = torch.tensor(ids)
+        tokens = tokens.to(device)  # (C, T + 1)
+        lengths = torch.tensor([len(ids) - 1 for _, ids in captions], device=device)  # (C,)
+        rows = torch.tensor([n for n, _ in captions], device=device)  # (C,)
+        out = self.net(features, tokens, lengths, rows)
+        return F.cross_entropy(out.logits.float(), tokens[out.caption, out.step + 1])
+
+
