@@ -126,7 +126,7 @@ def coco_rates(threads: int) -> dict[str, float]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     model.decoder.train()
-    step = lambda: train_step(model.decoder, criterion, optimizer, scheduler, scaler, batch, torch.device("cpu"))  # noqa: E731
+    step = lambda: train_step(model.decoder, criterion, optimizer, scheduler, scaler, batch, torch.device("cpu"))
     step()
     tick = time.perf_counter()
     for _ in range(3):

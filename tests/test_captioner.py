@@ -159,3 +159,48 @@ def test_a_pil_image_is_captioned_exactly_as_its_file(checkpoint, tmp_path):
     assert from_memory.image_size == from_path.image_size == (40, 90)
     assert from_memory.text == from_path.text and from_memory.score == pytest.approx(from_path.score)
     np.testing.assert_allclose(from_memory.attention, from_path.attention)
+
+
+def test_an_ensemble_of_a_model_with_itself_captions_as_the_model(checkpoint):
+    alone = Captioner.from_checkpoint(checkpoint, device="cpu").caption([_image(i) for i in range(3)], beam_size=3)
+    twice = Captioner.from_checkpoint([checkpoint, checkpoint], device="cpu").caption([_image(i) for i in range(3)],
+                                                                                      beam_size=3)
+    assert [c.text for c in twice] == [c.text for c in alone]
+    np.testing.assert_allclose([c.score for c in twice], [c.score for c in alone], atol=1e-5)
+    np.testing.assert_allclose(twice[0].attention, alone[0].attention, atol=1e-6)
+
+
+@torch.no_grad()
+def test_an_ensemble_step_is_the_mean_of_its_members_distributions(tmp_path):
+    from captioner.decoding.ensemble import EnsembleDecoder
+
+    a, b = (Captioner.from_checkpoint(_save(tmp_path / f"{n}.pt"), device="cpu").model for n in "ab")
+    torch.manual_seed(1)
+    for p in b.decoder.parameters():
+        p.add_(torch.randn_like(p) * 0.3)  # another model of the same shape
+    ensemble = EnsembleDecoder([a.decoder, b.decoder])
+    features = a.encoder(torch.rand(2, 3, 64, 64))
+    tokens = torch.tensor([1, 5])
+    memory = ensemble.memory(features)
+    out = ensemble.step(tokens, ensemble.init_hidden(memory), memory)
+
+    def alone(decoder):
+        memory = decoder.memory(features)
+        return torch.softmax(decoder.step(tokens, decoder.init_hidden(memory), memory).logits, -1)
+
+    torch.testing.assert_close(out.logits.exp(), (alone(a.decoder) + alone(b.decoder)) / 2)
+
+
+def test_averaged_checkpoints_hold_the_mean_weights(tmp_path, capsys):
+    from captioner.model.checkpoint import load_checkpoint
+
+    a, b = _save(tmp_path / "a.pt"), tmp_path / "b.pt"
+    ckpt = load_checkpoint(a)
+    state_b = {k: v.clone() for k, v in ckpt.model_state.items()}
+    state_b["decoder.readout.bias"] += 2.0  # a later checkpoint of the same run
+    save_checkpoint(b, ckpt.config, ckpt.vocab, state_b)
+    assert main(["average", str(a), str(b), "-o", str(tmp_path / "avg.pt")]) == 0
+    avg = load_checkpoint(tmp_path / "avg.pt").model_state
+    first = load_checkpoint(a).model_state
+    torch.testing.assert_close(avg["decoder.readout.bias"], first["decoder.readout.bias"] + 1.0)
+    torch.testing.assert_close(avg["decoder.embedding.weight"], first["decoder.embedding.weight"])

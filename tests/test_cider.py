@@ -7,12 +7,12 @@ from pycocoevalcap.cider.cider import Cider
 
 from captioner.decoding.cider import CiderD
 
-WORDS = "a the dog cat man woman red blue runs sits on in grass water ball with two is".split()
+WORDS = ["a", "the", "dog", "cat", "man", "woman", "red", "blue", "runs", "sits", "on", "in", "grass", "water", "ball", "with", "two", "is"]
 
 
 def _corpus(seed: int, images: int = 40):
     rng = random.Random(seed)
-    caption = lambda: [rng.choice(WORDS) for _ in range(rng.randint(1, 12))]  # noqa: E731
+    caption = lambda: [rng.choice(WORDS) for _ in range(rng.randint(1, 12))]
     refs = [[caption() for _ in range(rng.randint(1, 5))] for _ in range(images)]
     hyps = [caption() for _ in range(images)]
     hyps[3] = list(refs[3][0])  # one exact match

@@ -79,9 +79,10 @@ def test_shipped_configs_are_found_by_name_from_anywhere(tmp_path, monkeypatch):
     from captioner.config import shipped_configs
 
     monkeypatch.chdir(tmp_path)
-    assert shipped_configs() == ["coco", "flickr8k", "flickr8k-800", "shapes"]
+    assert shipped_configs() == ["coco", "flickr8k", "flickr8k-800", "flickr8k-800-scst", "shapes"]
+    init = ["train.init=ce.pt"]  # the scst config needs the checkpoint it starts from
     for name in shipped_configs():
-        assert load_config(name) == load_config(f"configs/{name}.yaml") == load_config(f"{name}.yaml")
+        assert load_config(name, init) == load_config(f"configs/{name}.yaml", init) == load_config(f"{name}.yaml", init)
     assert load_config("shapes").model.decoder.attend == "after"
     with pytest.raises(ConfigError, match="shapez: config file not found .*shipped configs: coco"):
         load_config("shapez")

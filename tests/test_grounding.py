@@ -22,7 +22,7 @@ def _map(peak: tuple[int, int], weight: float = 0.7) -> np.ndarray:
 
 def test_word_objects_resolves_ambiguous_words_by_their_phrase():
     boxes = [RED_CIRCLE, BLUE_SQUARE, BLUE_CIRCLE]
-    words = "a red circle above a blue circle and a blue square and a green circle".split()
+    words = ["a", "red", "circle", "above", "a", "blue", "circle", "and", "a", "blue", "square", "and", "a", "green", "circle"]
     got = word_objects(words, boxes)
     assert got[:7] == [None, 0, 0, None, None, 2, 2]  # "red" unique; "circle" by its phrase; "blue circle"
     assert got[9:11] == [1, 1]  # "blue square"

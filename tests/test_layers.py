@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("captioner.training",),
     ("captioner.pictures",),
     ("captioner.recipes",),
+    ("captioner.serve",),
     ("captioner.cli",),
 ]
 MAX_LINES = 350

@@ -107,3 +107,8 @@ def test_the_config_names_exactly_the_metrics_computed():
     from captioner.config.schema import MetricName
 
     assert typing.get_args(MetricName) == metrics.METRIC_NAMES
+
+
+def test_diversity_counts_dangling_endings_and_distinct_words_and_captions():
+    got = metrics.diversity(["A man riding a", "a man riding a horse.", "a man riding a horse", "dogs play in"])
+    assert got == {"dangling": 0.5, "distinct_words": 7.0, "distinct_captions": 3.0}  # a man riding horse dogs play in

@@ -46,10 +46,21 @@ def test_captioner_demo_runs_from_the_wheel(installed):
 def test_every_shipped_config_loads_from_the_wheel(installed):
     code = ("from captioner.config import CONFIG_DIR, load_config, shipped_configs\n"
             "names = shipped_configs()\n"
-            "configs = [load_config(n) for n in names]\n"
+            "configs = [load_config(n, ['train.init=ce.pt']) for n in names]\n"
             "print(CONFIG_DIR, *names, configs[names.index('shapes')].model.decoder.attend)")
     out = _run(installed, sys.executable, "-c", code)
     assert out.returncode == 0, out.stderr
     folder, *names, attend = out.stdout.split()
     assert Path(folder).is_relative_to(installed)
-    assert names == ["coco", "flickr8k", "flickr8k-800", "shapes"] and attend == "after"
+    assert names == ["coco", "flickr8k", "flickr8k-800", "flickr8k-800-scst", "shapes"] and attend == "after"
+
+
+def test_the_page_ships_in_the_wheel(installed):
+    code = ("from fastapi.testclient import TestClient\n"
+            "from captioner.serve.app import STATIC\n"
+            "print(STATIC, *sorted(p.relative_to(STATIC).as_posix() for p in STATIC.rglob('*') if p.is_file()))")
+    out = _run(installed, sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    folder, *files = out.stdout.split()
+    assert Path(folder).is_relative_to(installed)
+    assert {"index.html", "app.js", "style.css", "examples/two-shapes.png"} <= set(files)

@@ -6,7 +6,7 @@ import torch
 
 from captioner.config import DecodeConfig, DecoderConfig
 from captioner.data.vocab import Vocabulary
-from captioner.decoding.search import beam_search, block_repeated_ngrams, decode, length_penalty
+from captioner.decoding.search import beam_search, block_repeated_ngrams, decode, decode_n_best, length_penalty
 from captioner.model.decoder import AttentionDecoder
 
 B, L, D, V = 4, 9, 16, 30
@@ -24,6 +24,11 @@ def _decoder(vocab_size: int = V, sharpen: float = 4.0, end_bias: float = 1.0, a
         dec.readout.weight.mul_(sharpen)
         dec.readout.bias[END] += end_bias
     return dec
+
+
+def best_of(*args, **kwargs):
+    """The best hypothesis per image (beam_search returns each image's ranked list)."""
+    return [ranked[0] for ranked in beam_search(*args, **kwargs)]
 
 
 def _teacher_forced(dec, features, tokens, finished):
@@ -73,7 +78,7 @@ def _greedy(dec, features, max_length, no_repeat_ngram=0):
 @pytest.mark.parametrize("exponent, ngram", [(0.0, 0), (1.0, 0), (0.7, 2)])
 def test_beam_of_one_is_greedy(exponent, ngram):
     dec, features = _decoder(), torch.randn(B, L, D)
-    for f, hyp in zip(features, beam_search(dec, features, 1, 12, START, END, BANNED, length_penalty=exponent,
+    for f, hyp in zip(features, best_of(dec, features, 1, 12, START, END, BANNED, length_penalty=exponent,
                                             no_repeat_ngram=ngram)):
         words, logprob, finished, maps = _greedy(dec, f, 12, ngram)
         assert hyp.tokens == words and hyp.finished == finished
@@ -85,9 +90,9 @@ def test_beam_of_one_is_greedy(exponent, ngram):
 @pytest.mark.parametrize("exponent, ngram", [(1.0, 0), (0.0, 2)])
 def test_batched_beam_equals_one_image_at_a_time(exponent, ngram):
     dec, features = _decoder(), torch.randn(8, L, D)
-    batched = beam_search(dec, features, 3, 10, START, END, BANNED, length_penalty=exponent, no_repeat_ngram=ngram)
+    batched = best_of(dec, features, 3, 10, START, END, BANNED, length_penalty=exponent, no_repeat_ngram=ngram)
     for i, hyp in enumerate(batched):
-        (alone,) = beam_search(dec, features[i : i + 1], 3, 10, START, END, BANNED, length_penalty=exponent,
+        (alone,) = best_of(dec, features[i : i + 1], 3, 10, START, END, BANNED, length_penalty=exponent,
                                no_repeat_ngram=ngram)
         assert hyp.tokens == alone.tokens and hyp.finished == alone.finished
         assert hyp.score == pytest.approx(alone.score, abs=1e-5)
@@ -101,7 +106,7 @@ def test_batched_beam_equals_one_image_at_a_time(exponent, ngram):
 def test_scores_and_attention_match_the_teacher_forced_pass(attend):
     """Each hypothesis carries its own attention history: gathering by the wrong beam would break this."""
     dec, features = _decoder(attend=attend), torch.randn(B, L, D)
-    for hyp, f in zip(beam_search(dec, features, 4, 10, START, END, BANNED, length_penalty=0.5), features):
+    for hyp, f in zip(best_of(dec, features, 4, 10, START, END, BANNED, length_penalty=0.5), features):
         assert hyp.alphas.shape == (len(hyp.tokens), L)
         torch.testing.assert_close(hyp.alphas.sum(-1), torch.ones(len(hyp.tokens)))
         logprob, alphas = _teacher_forced(dec, f, hyp.tokens, hyp.finished)
@@ -113,7 +118,7 @@ def test_scores_and_attention_match_the_teacher_forced_pass(attend):
 def test_wide_beam_finds_the_exhaustive_best():
     """V = 4 specials + 2 words and max_length 2: a 16-wide beam sees every caption."""
     dec, features = _decoder(vocab_size=6, sharpen=1.0), torch.randn(3, L, D)
-    for hyp, f in zip(beam_search(dec, features, 16, 2, START, END, BANNED, length_penalty=1.0), features):
+    for hyp, f in zip(best_of(dec, features, 16, 2, START, END, BANNED, length_penalty=1.0), features):
         best = max(
             (_teacher_forced(dec, f, list(c), True)[0] / length_penalty(len(c) + 1, 1.0), list(c))
             for n in range(3) for c in itertools.product((4, 5), repeat=n)
@@ -126,7 +131,7 @@ def test_a_caption_that_never_ends_is_returned_unfinished(beam):
     dec, features = _decoder(), torch.randn(B, L, D)
     with torch.no_grad():
         dec.readout.bias[END] = -1e4  # <end> is never likely
-    hyps = beam_search(dec, features, beam, 5, START, END, BANNED)
+    hyps = best_of(dec, features, beam, 5, START, END, BANNED)
     for hyp, f in zip(hyps, features):
         assert not hyp.finished and len(hyp.tokens) == 5 and hyp.alphas.shape == (5, L)
         assert hyp.logprob == pytest.approx(_teacher_forced(dec, f, hyp.tokens, False)[0], abs=1e-4)
@@ -186,6 +191,23 @@ def test_no_repeat_ngram(beam, n):
 
 def test_maps_are_float32_whatever_the_features_dtype():
     dec, features = _decoder().to(torch.bfloat16), torch.randn(B, L, D).bfloat16()
-    for hyp in beam_search(dec, features, 3, 6, START, END, BANNED):
+    for hyp in best_of(dec, features, 3, 6, START, END, BANNED):
         assert hyp.alphas.dtype == torch.float32
         torch.testing.assert_close(hyp.alphas.sum(-1), torch.ones(len(hyp.tokens)), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("end_bias", [1.0, -1e4])  # captions that end, and ones cut at max_length
+def test_n_best_are_distinct_ranked_and_start_with_the_best(end_bias):
+    torch.manual_seed(0)
+    dec, features = _decoder(end_bias=end_bias), torch.randn(B, L, D)
+    cfg = DecodeConfig(beam_size=4, max_length=8)
+    ranked = decode_n_best(dec, features, cfg, VOCAB, 3)
+    assert sum(len(hyps) == 3 for hyps in ranked) >= B // 2  # fewer only when fewer beams ended
+    for hyps, top in zip(ranked, decode(dec, features, cfg, VOCAB)):
+        assert 1 <= len(hyps) <= 3 and hyps[0].tokens == top.tokens and hyps[0].score == top.score
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == len(hyps)
+        assert len({h.finished for h in hyps}) == 1  # finished ones, or (none ended) the live beams
+        assert end_bias > 0 or not hyps[0].finished
+    with pytest.raises(ValueError, match="n_best 5"):
+        decode_n_best(dec, features, cfg, VOCAB, 5)

@@ -5,7 +5,7 @@ import pytest
 from captioner.decoding.captioner import Caption
 from captioner.model.encoder import Cells
 from captioner.pictures.figures import grid_shape, plot_attention
-from captioner.pictures.overlay import render_attention, upsample
+from captioner.pictures.overlay import heat, render_attention, upsample, word_focus
 
 
 def _caption(n_words: int, size=(96, 64), grid=(4, 6)) -> Caption:
@@ -40,6 +40,32 @@ def test_upsample_is_smooth_and_keeps_the_peak_where_it_was():
 def test_render_attention_keeps_the_image_size():
     out = render_attention(_photo(), _caption(1).attention[0])
     assert out.size == (96, 64) and out.mode == "RGB"
+
+
+def _change(picture: PIL.Image.Image, photo: PIL.Image.Image) -> np.ndarray:
+    """(h, w) how far each pixel moved from the photo."""
+    return np.abs(np.asarray(picture, np.float32) - np.asarray(photo, np.float32)).sum(-1)
+
+
+def test_colours_are_on_one_fixed_scale_not_stretched_per_map():
+    """An even map leaves the photo as it was; a map gathered on one cell colours that cell strongly;
+    a map twice as spread (same shape, half the peak) is visibly fainter, not re-stretched to look alike."""
+    photo = _photo()
+    even = np.full((4, 6), 1 / 24, np.float32)
+    assert _change(render_attention(photo, even), photo).max() < 1.0
+    sharp = np.full((4, 6), 0.2 / 23, np.float32)
+    sharp[1, 2] = 0.8
+    flatter = 0.5 * sharp + 0.5 * even
+    strong, faint = _change(render_attention(photo, sharp), photo), _change(render_attention(photo, flatter), photo)
+    assert strong.max() > 150 and faint.max() < 0.9 * strong.max() and faint.sum() < 0.9 * strong.sum()
+    assert heat(np.array([1 / 24, 2 / 24, 1.0]), 24) == pytest.approx([0.0, np.log(2) / np.log(24), 1.0])
+
+
+def test_word_focus_is_peak_and_normalised_entropy():
+    assert word_focus(np.full((4, 4), 1 / 16)) == pytest.approx((1 / 16, 1.0))
+    one = np.zeros((4, 4))
+    one[2, 3] = 1.0
+    assert word_focus(one) == pytest.approx((1.0, 0.0))
 
 
 @pytest.mark.parametrize("n_words", [1, 30])

@@ -29,7 +29,9 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
     """Decode settings; left out = the checkpoint's own."""
-    p.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner train`")
+    p.add_argument("--checkpoint", required=True, nargs="+", metavar="CKPT",
+                   help="a checkpoint written by `captioner train`; several (one encoder and vocabulary) decode "
+                        "as an ensemble")
     p.add_argument("--beam", type=int, dest="beam_size", metavar="K",
                    help="beam size, 1 = greedy (default: the checkpoint's decode settings)")
     p.add_argument("--max-length", type=int, metavar="N", help="most words per caption (default: the checkpoint's)")
@@ -62,13 +64,17 @@ def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
-def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found") -> None:
-    """The metric table (and attention grounding when the data has boxes)."""
+def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found",
+                     diversity: dict[str, float] | None = None) -> None:
+    """The metric table, the captions' diversity, and attention grounding when the data has boxes."""
     print(f"{'metric':<10}{'score':>8}")
     for name, value in metrics.items():
         print(f"{name:<10}{value:>8.4f}" if name != "CIDEr" else f"{'CIDEr-D':<10}{value:>8.4f}")
     if "METEOR" not in metrics and metrics:
         print(f"{'METEOR':<10}{'skipped':>8}  ({meteor_note})")
+    if diversity:
+        print(f"captions: {diversity['dangling']:.1%} end on a function word, {diversity['distinct_words']:.0f} "
+              f"distinct words, {diversity['distinct_captions']:.0f} distinct captions")
     if grounding is not None:
         g = grounding
         print(f"grounding over {g.words} object words: hit rate {g.hit_rate:.3f} (attention peak in the object's box), "

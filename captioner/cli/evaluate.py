@@ -44,12 +44,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"data:     {data} ({args.split}: {len(result.captions)} images captioned, {len(result.skipped)} skipped)")
     print(f"decode:   beam {d.beam_size}, max length {d.max_length}, length penalty {d.length_penalty}"
           f"{f', no repeat {d.no_repeat_ngram}-grams' if d.no_repeat_ngram else ''}")
-    print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found")
+    print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found",
+                     result.diversity)
     for path, reason in result.skipped[:20]:
         print(f"skipped:  {path}: {reason}")
     if len(result.skipped) > 20:
         print(f"skipped:  ... and {len(result.skipped) - 20} more")
     if args.out:
-        report = {"checkpoint": str(args.checkpoint), "data": data, "split": args.split, **result.to_json()}
+        checkpoint = str(args.checkpoint[0]) if len(args.checkpoint) == 1 else args.checkpoint
+        report = {"checkpoint": checkpoint, "data": data, "split": args.split, **result.to_json()}
         print(f"wrote {atomic_write_text(args.out, json.dumps(report, indent=1) + chr(10))}")
     return 0 if result.captions else 1

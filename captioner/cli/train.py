@@ -22,6 +22,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                                  "or the checkpoint's folder with --resume)")
     p.add_argument("--resume", metavar="RUN/last.pt",
                    help="continue a run exactly where its checkpoint left it (config from the checkpoint)")
+    p.add_argument("--init", metavar="CKPT",
+                   help="start from this checkpoint's weights, vocabulary and model config (train.init=CKPT); "
+                        "self-critical training (train.objective=scst) fine-tunes one this way")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run --out holds (its files stay until the new run's first checkpoint)")
     p.add_argument("--image-root", help="folder holding the images, when not next to the caption file "
@@ -38,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning("--config %s ignored: a resumed run uses its checkpoint's config "
                                             "(change it with section.key=value overrides)", args.config)
     extra = [f"data.image_root={args.image_root}"] if args.image_root else []
+    extra += [f"train.init={args.init}"] if args.init else []
     cfg = run_config(args.config, overrides(args) + extra, resume=args.resume, data=args.data)
     if args.out:
         out = Path(args.out)

@@ -164,6 +164,7 @@ class TrainConfig(_Section):
     val_metric: MetricName = "CIDEr"
     patience: int = 5  # epochs (validations) without improvement before stopping; 0 = never stop early
     checkpoint_every_steps: int = 0  # also write last.pt every N steps (0 = at the end of each epoch only)
+    keep_validated: bool = False  # also keep the model of every validation as step-NNNNNNN.pt (to average later)
     group_by_image: bool = True  # an image's captions share a batch: its grid is projected once for all of them
     log_every: int = 10
 

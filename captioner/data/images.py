@@ -5,6 +5,7 @@ decoded here with `.load()`, `ImageFile.LOAD_TRUNCATED_IMAGES` is left False).
 """
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
@@ -21,6 +22,14 @@ _WHITE = (255, 255, 255)
 
 class ImageError(CaptionerError):
     """An image file that is missing or cannot be decoded: message "PATH: reason"."""
+
+
+class NotAnImage(ImageError):
+    """Data in no image format Pillow knows."""
+
+
+class ImageTooLarge(ImageError):
+    """More pixels than allowed (a possible decompression bomb)."""
 
 
 def _reason(e: BaseException) -> str:
@@ -51,12 +60,34 @@ def load_image(path: str | Path) -> Image.Image:
     except PermissionError:
         raise ImageError(f"{path}: permission denied") from None
     except UnidentifiedImageError:
-        raise ImageError(f"{path}: not an image (format not recognised)") from None
+        raise NotAnImage(f"{path}: not an image (format not recognised)") from None
     except Image.DecompressionBombError as e:
-        raise ImageError(f"{path}: refused as a possible decompression bomb ({_reason(e)})") from None
+        raise ImageTooLarge(f"{path}: refused as a possible decompression bomb ({_reason(e)})") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
         # Pillow raises these for truncated or corrupt data ("image file is truncated", ...)
         raise ImageError(f"{path}: truncated or corrupt image ({_reason(e)})") from None
+
+
+def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_000) -> Image.Image:
+    """Image file bytes (an upload) -> RGB image, exactly as `load_image` reads a file, from memory
+    only. Raises NotAnImage, ImageTooLarge (more than `max_pixels`, checked from the header before
+    anything is decoded) or ImageError (truncated, corrupt), each naming `name`."""
+    if not data:
+        raise NotAnImage(f"{name}: empty upload")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > max_pixels:
+                raise ImageTooLarge(f"{name}: {im.width}x{im.height} pixels is more than the {max_pixels:,} allowed")
+            im.load()
+            return to_rgb(_exif_transpose(im, name))
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise NotAnImage(f"{name}: not an image (format not recognised)") from None
+    except Image.DecompressionBombError as e:
+        raise ImageTooLarge(f"{name}: refused as a possible decompression bomb ({_reason(e)})") from None
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
+        raise ImageError(f"{name}: truncated or corrupt image ({_reason(e)})") from None
 
 
 def prepare_image(image: Image.Image, name: str = "<image>") -> Image.Image:

@@ -26,15 +26,17 @@ import torch
 from captioner.config import DecodeConfig
 from captioner.data.images import ImageError, load_image, prepare_image
 from captioner.data.vocab import Vocabulary
-from captioner.decoding.search import Hypothesis, decode
+from captioner.decoding.ensemble import EnsembleDecoder
+from captioner.decoding.search import Hypothesis, decode_n_best
 from captioner.model.caption_model import CaptionModel
-from captioner.model.checkpoint import Checkpoint, load_checkpoint, restore_model
+from captioner.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_model
 from captioner.model.encoder import Cells
 from captioner.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
 ImageInput = PIL.Image.Image | str | Path
+CheckpointSource = str | Path | Checkpoint
 
 @dataclass
 class Caption:
@@ -47,6 +49,7 @@ class Caption:
     attention: (T, H', W') float32, each word's map over the encoder grid, summing to 1.
     image_size: (width, height) of the captioned image.
     path: the image file, when the image came from one.
+    alternatives: the next best captions of the beam search, best first (`alternatives=` of `caption`).
     finished: False when the caption was cut at max_length without <end>.
     cells: where the grid's cells look (`Encoder.cells`: centre of cell j at (origin + j * stride)
         x the image side); the pictures and the grounding score place each weight there.
@@ -62,14 +65,19 @@ class Caption:
     path: str | None = None
     finished: bool = True
     cells: Cells | None = None
+    alternatives: list[Caption] = dataclasses.field(default_factory=list)
 
     def to_json(self, attention: bool = True) -> dict[str, Any]:
-        """Plain JSON-ready dict; `attention` as nested lists, one (H', W') grid per word."""
+        """Plain JSON-ready dict; `attention` as nested lists, one (H', W') grid per word; the
+        alternatives (when asked for) as caption, tokens, score, logprob and finished."""
         row: dict[str, Any] = {"path": self.path, "caption": self.text, "tokens": self.tokens,
                                "score": self.score, "logprob": self.logprob, "finished": self.finished}
         if attention:
             row["attention"] = self.attention.tolist()
             row["cells"] = None if self.cells is None else self.cells._asdict()
+        if self.alternatives:
+            row["alternatives"] = [{k: v for k, v in a.to_json(attention=False).items() if k != "path"}
+                                   for a in self.alternatives]
         return row
 
 
@@ -96,13 +104,22 @@ class Captioner:
         self.grid: tuple[int, int] = tuple(model.encoder.grid)  # type: ignore[assignment]
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path | Checkpoint, device: str | torch.device = "auto",
+    def from_checkpoint(cls, path: CheckpointSource | Sequence[CheckpointSource], device: str | torch.device = "auto",
                         decode: DecodeConfig | None = None) -> Captioner:
-        """Load a checkpoint (a path: CheckpointError on a bad file; or one already loaded). `decode`
-        defaults to the checkpoint's own decode settings."""
-        ckpt = path if isinstance(path, Checkpoint) else load_checkpoint(path)
-        model = restore_model(ckpt, "checkpoint" if isinstance(path, Checkpoint) else path)
-        return cls(model, ckpt.vocab, decode or ckpt.config.decode, device, ckpt.meta)
+        """Load a checkpoint (a path: CheckpointError on a bad file; or one already loaded), or several
+        of one encoder and vocabulary, which then decode as an ensemble (`EnsembleDecoder`). `decode`
+        defaults to the (first) checkpoint's own decode settings."""
+        sources = list(path) if isinstance(path, (list, tuple)) else [path]
+        ckpts = [s if isinstance(s, Checkpoint) else load_checkpoint(s) for s in sources]
+        names = [str(s) if not isinstance(s, Checkpoint) else f"checkpoint {i + 1}" for i, s in enumerate(sources)]
+        models = [restore_model(c, n) for c, n in zip(ckpts, names)]
+        for ckpt, name in zip(ckpts[1:], names[1:]):
+            if ckpt.model_config.encoder != ckpts[0].model_config.encoder or ckpt.vocab != ckpts[0].vocab:
+                raise CheckpointError(f"{name}: another encoder or vocabulary than {names[0]}: an ensemble needs "
+                                      f"models of one encoder and one vocabulary")
+        model = models[0] if len(models) == 1 else CaptionModel(
+            models[0].encoder, EnsembleDecoder([m.decoder for m in models]))  # type: ignore[arg-type]
+        return cls(model, ckpts[0].vocab, decode or ckpts[0].config.decode, device, ckpts[0].meta)
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
         """The default decode settings with `overrides` (DecodeConfig field names; None = keep)."""
@@ -115,25 +132,29 @@ class Captioner:
 
     # --- captioning ---------------------------------------------------------------------------
 
-    def caption(self, images: Sequence[ImageInput], batch_size: int = 32, **decode_overrides: Any) -> list[Caption]:
+    def caption(self, images: Sequence[ImageInput], batch_size: int = 32, alternatives: int = 0,
+                **decode_overrides: Any) -> list[Caption]:
         """Caption images, `batch_size` at a time (the encoder runs once per image).
 
         Args:
             images: PIL images or image file paths, treated alike (`prepare_image` / `load_image`: EXIF
                 orientation applied, any mode to RGB).
             batch_size: images per encoder + search batch.
+            alternatives: also keep this many next-best captions of the beam (less than beam_size).
             decode_overrides: DecodeConfig fields, e.g. beam_size=3, max_length=16.
         Returns:
             One Caption per image, in order. Raises ImageError (one line, names the file) for an
             unreadable file; `caption_files` skips those instead.
         """
         cfg = self.decode_config(**decode_overrides)
+        if not 0 <= alternatives < cfg.beam_size:
+            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
         out: list[Caption] = []
         for start in range(0, len(images), batch_size):
             chunk = images[start : start + batch_size]
             pil = [prepare_image(im) if isinstance(im, PIL.Image.Image) else load_image(im) for im in chunk]
             paths = [None if isinstance(im, PIL.Image.Image) else str(im) for im in chunk]
-            out += self._caption_batch(pil, paths, cfg)
+            out += self._caption_batch(pil, paths, cfg, alternatives)
         return out
 
     def caption_files(self, paths: Iterable[str | Path], batch_size: int = 32,
@@ -163,20 +184,40 @@ class Captioner:
         if batch:
             yield from flush()
 
+    def preprocess(self, image: PIL.Image.Image) -> torch.Tensor:
+        """An RGB image -> (3, S, S) normalised pixels on the CPU, the encoder's eval preprocessing
+        (the server runs it on its request threads, off the model thread)."""
+        return self.transform(image)
+
     @torch.inference_mode()
     def encode(self, images: Sequence[PIL.Image.Image]) -> torch.Tensor:
         """PIL images -> (B, L, D) encoder grids on `device` (the eval preprocessing, then the CNN)."""
-        pixels = torch.stack([self.transform(im) for im in images]).to(self.device)  # (B, 3, S, S)
+        pixels = torch.stack([self.preprocess(im) for im in images]).to(self.device)  # (B, 3, S, S)
         return self.model.encoder.infer(pixels)  # (B, L, D); the search then takes the whole batch
 
     @torch.inference_mode()
-    def _caption_batch(self, images: list[PIL.Image.Image], paths: list[str | None],
-                       cfg: DecodeConfig) -> list[Caption]:
-        if not images:
+    def caption_pixels(self, pixels: Sequence[torch.Tensor], image_sizes: Sequence[tuple[int, int]],
+                       paths: Sequence[str | None] | None = None, alternatives: int = 0,
+                       **decode_overrides: Any) -> list[Caption]:
+        """Caption images already preprocessed (`preprocess`: (3, S, S) each), as one batch.
+        `image_sizes` (w, h) of the originals go into the Captions, as do `paths` (default None)."""
+        cfg = self.decode_config(**decode_overrides)
+        if not 0 <= alternatives < cfg.beam_size:
+            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
+        if not pixels:
             return []
-        features = self.encode(images)  # (B, L, D)
-        hyps = decode(self.model.decoder, features, cfg, self.vocab)
-        return [self._to_caption(h, im.size, p) for h, im, p in zip(hyps, images, paths)]
+        features = self.model.encoder.infer(torch.stack(list(pixels)).to(self.device))  # (B, L, D)
+        ranked = decode_n_best(self.model.decoder, features, cfg, self.vocab, alternatives + 1)
+        captions = []
+        for hyps, size, p in zip(ranked, image_sizes, paths or [None] * len(pixels)):
+            best, *others = (self._to_caption(h, size, p) for h in hyps)
+            captions.append(dataclasses.replace(best, alternatives=others))
+        return captions
+
+    def _caption_batch(self, images: list[PIL.Image.Image], paths: list[str | None],
+                       cfg: DecodeConfig, alternatives: int = 0) -> list[Caption]:
+        pixels = [self.preprocess(im) for im in images]
+        return self.caption_pixels(pixels, [im.size for im in images], paths, alternatives, **dataclasses.asdict(cfg))
 
     def _to_caption(self, hyp: Hypothesis, image_size: tuple[int, int], path: str | None) -> Caption:
         words = [self.vocab.word(i) for i in hyp.tokens]

@@ -20,7 +20,7 @@ from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
-from captioner.decoding.metrics import caption_metrics
+from captioner.decoding.metrics import caption_metrics, diversity
 from captioner.errors import CaptionerError
 from captioner.model.checkpoint import load_checkpoint
 
@@ -37,6 +37,7 @@ class Evaluation:
     references: image path -> its reference captions, for the captioned images.
     skipped: (path, reason) of the images that could not be read.
     decode: the decode settings used.
+    diversity: share of captions ending on a function word, distinct words, distinct captions.
     """
 
     metrics: dict[str, float]
@@ -45,6 +46,7 @@ class Evaluation:
     references: dict[str, list[str]]
     skipped: list[tuple[str, str]]
     decode: DecodeConfig
+    diversity: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,6 +54,7 @@ class Evaluation:
             "skipped": [{"path": p, "reason": r} for p, r in self.skipped],
             "decode": dataclasses.asdict(self.decode),
             "metrics": self.metrics,
+            "diversity": self.diversity,
             "grounding": None if self.grounding is None else dataclasses.asdict(self.grounding),
             "captions": [{**c.to_json(attention=False), "references": self.references[c.path]} for c in self.captions],
         }
@@ -85,10 +88,11 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
     grounded = [GroundingSample(c.tokens, c.attention, c.image_size, by_path[c.path].boxes, c.cells)
                 for c in captions if by_path[c.path].boxes]
     grounding = grounding_score(grounded) if grounded else None
-    return Evaluation(metrics, grounding, captions, references, skipped, captioner.decode_config(**decode_overrides))
+    return Evaluation(metrics, grounding, captions, references, skipped, captioner.decode_config(**decode_overrides),
+                      diversity([c.text for c in captions]))
 
 
-def evaluate_checkpoint(checkpoint: str | Path, split: str = "test", data: str | None = None,
+def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: str = "test", data: str | None = None,
                         image_root: str | Path | None = None, limit: int | None = None,
                         device: str | torch.device = "auto", batch_size: int = 32, meteor: bool | None = None,
                         progress: Progress | None = None, **decode_overrides: Any) -> tuple[Evaluation, str]:
@@ -96,7 +100,7 @@ def evaluate_checkpoint(checkpoint: str | Path, split: str = "test", data: str |
     data settings). Returns the Evaluation and the data path used.
 
     Args:
-        checkpoint: a checkpoint file.
+        checkpoint: a checkpoint file, or several (an ensemble; data settings from the first).
         split: "train", "val" or "test".
         data: another data set (folder, caption file, or "shapes") instead of the checkpoint's.
         image_root: where the images are, when not next to the caption file.
@@ -107,13 +111,15 @@ def evaluate_checkpoint(checkpoint: str | Path, split: str = "test", data: str |
     """
     if split not in SPLITS:
         raise CaptionerError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
-    ckpt = load_checkpoint(checkpoint)
+    paths = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    ckpts = [load_checkpoint(p) for p in paths]
+    ckpt = ckpts[0]
     data_cfg = ckpt.config.data if data is None else dataclasses.replace(ckpt.config.data, path=str(data))
     records = load_records(data_cfg, image_root)
     chosen = [r for r in records if r.split == split][:limit]
     if not chosen:
         counts = ", ".join(f"{s} {sum(r.split == s for r in records)}" for s in SPLITS)
         raise CaptionerError(f"{data_cfg.path}: no images in split '{split}' ({counts}); choose another with --split")
-    captioner = Captioner.from_checkpoint(ckpt, device)
-    del ckpt  # the optimiser state, if any, is not needed
+    captioner = Captioner.from_checkpoint(ckpts if len(ckpts) > 1 else ckpt, device)
+    del ckpt, ckpts  # the optimiser state, if any, is not needed
     return evaluate_records(captioner, chosen, batch_size, meteor, progress, **decode_overrides), str(data_cfg.path)

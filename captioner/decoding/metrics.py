@@ -93,3 +93,22 @@ def _meteor(gts: dict[int, list[str]], res: dict[int, list[str]]) -> float:
         return float(scorer.compute_score(gts, res)[0])
     finally:
         del scorer
+
+
+# Words a caption should not end on: "a man riding a" is what a model breaks into when it games CIDEr.
+FUNCTION_WORDS = frozenset("""
+    a an the this that these those some of in on at to into onto with without from by for near under over above
+    below behind beside between through across around up down and or but while as is are was were be being his
+    her their its my your our""".split())
+
+
+def diversity(captions: Sequence[str]) -> dict[str, float]:
+    """What self-critical training is known to break, measured on generated captions:
+    `dangling`, the share that ends on a function word ("a man riding a"); `distinct_words` in
+    all of them; `distinct_captions`, how many different captions (vocabulary collapse shrinks both)."""
+    tokens = [tokenize(c) for c in captions]
+    return {
+        "dangling": sum(bool(t) and t[-1] in FUNCTION_WORDS for t in tokens) / max(len(tokens), 1),
+        "distinct_words": float(len({w for t in tokens for w in t})),
+        "distinct_captions": float(len({" ".join(t) for t in tokens})),
+    }

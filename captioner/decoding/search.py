@@ -25,6 +25,7 @@ picks a device: every tensor follows `features`.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -114,8 +115,9 @@ def beam_search(
     length_penalty: float = 1.0,
     no_repeat_ngram: int = 0,
     min_length: int = 0,
-) -> list[Hypothesis]:
-    """Beam search over a batch of images; the best hypothesis per image.
+    n_best: int = 1,
+) -> list[list[Hypothesis]]:
+    """Beam search over a batch of images; the best `n_best` hypotheses per image, best first.
 
     Args:
         decoder: in eval mode.
@@ -127,9 +129,13 @@ def beam_search(
         length_penalty: the exponent; finished hypotheses are ranked by logprob / length**length_penalty.
         no_repeat_ngram: block repeated n-grams of this size (0 = off).
         min_length: <end> is not allowed before this many words.
+        n_best: hypotheses returned per image (at most beam_size).
     Returns:
-        B hypotheses, in input order: the best finished one per image, else its best live beam.
+        B lists, in input order, each the image's finished hypotheses by score (the first found on
+        ties), at most `n_best`; an image none of whose beams ended gets its best live beams instead.
     """
+    if not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best {n_best}: expected 1 to beam_size ({beam_size})")
     B, L, _ = features.shape
     K = beam_size
     device = features.device
@@ -188,19 +194,20 @@ def beam_search(
         words = torch.cat([words.index_select(0, src), tokens.unsqueeze(1)], dim=1)  # (R, t + 1)
         history = torch.cat([history.index_select(0, src), new_alpha.index_select(0, src).unsqueeze(1)], dim=1)  # (R, t + 1, L)
 
-    # The best finished hypothesis (the first found on ties); an image without one is still in
-    # `ids` (only done images leave), and its best live beam is returned unfinished.
+    # The finished hypotheses by score (a stable sort keeps the first found on ties); an image without
+    # one is still in `ids` (only done images leave), and its best live beams are returned unfinished.
     t = words.size(1)
     words, history = words.view(len(ids), K, t), history.view(len(ids), K, t, L)  # per image
     row_of = {i: b for b, i in enumerate(ids)}
     result = []
     for i in range(B):
         if finals[i]:
-            result.append(max(finals[i], key=lambda h: h.score))  # max keeps the first of equal scores
+            result.append(sorted(finals[i], key=lambda h: -h.score)[:n_best])
         else:
             b = row_of[i]
-            k = int(scores[b].argmax())
-            result.append(_hypothesis(words[b, k].tolist(), float(scores[b, k]), history[b, k], False, length_penalty))
+            order = scores[b].argsort(descending=True, stable=True)[:n_best].tolist()
+            result.append([_hypothesis(words[b, k].tolist(), float(scores[b, k]), history[b, k], False,
+                                       length_penalty) for k in order if math.isfinite(float(scores[b, k]))])
     return result
 
 
@@ -234,9 +241,16 @@ def _finalize(
 def decode(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig, vocab: Vocabulary) -> list[Hypothesis]:
     """Caption a batch of (B, L, D) grids as `cfg` says (beam_size 1 = greedy). Never emits <pad>,
     <start> or <unk>, and every caption has at least one word. Returns B hypotheses in input order."""
+    return [ranked[0] for ranked in decode_n_best(decoder, features, cfg, vocab, 1)]
+
+
+def decode_n_best(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig, vocab: Vocabulary,
+                  n_best: int) -> list[list[Hypothesis]]:
+    """`decode`, keeping each image's best `n_best` (<= cfg.beam_size) hypotheses, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
-                       length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1)
+                       length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
+                       n_best=n_best)
 
 
 @torch.no_grad()

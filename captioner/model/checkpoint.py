@@ -187,3 +187,24 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ca
     ckpt = load_checkpoint(path)
     model = restore_model(ckpt, path).to(device).eval()
     return model, ckpt
+
+
+def average_checkpoints(paths: list[str | Path]) -> Checkpoint:
+    """The mean of several checkpoints' weights (say the last few validations of one run), with the
+    first one's config, vocabulary and meta and no resume state. They must share the model config
+    and the vocabulary; integer buffers (BatchNorm's counters) are the first one's."""
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    ckpts = [load_checkpoint(p) for p in paths]
+    first = ckpts[0]
+    for path, ckpt in zip(paths[1:], ckpts[1:]):
+        if ckpt.model_config != first.model_config or ckpt.vocab != first.vocab:
+            raise CheckpointError(f"{path}: another model config or vocabulary than {paths[0]}: cannot average")
+    state = {}
+    for key, value in first.model_state.items():
+        if value.is_floating_point():
+            state[key] = torch.stack([c.model_state[key].float() for c in ckpts]).mean(0).to(value.dtype)
+        else:
+            state[key] = value
+    meta = {**first.meta, "averaged": [str(p) for p in paths]}
+    return Checkpoint(first.config, first.vocab, state, None, meta)

@@ -138,7 +138,7 @@ class Encoder(nn.Module):
         for name, tensor in self.backbone.state_dict().items():
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        norm = lambda v: ",".join(f"{x:g}" for x in v)  # noqa: E731
+        norm = lambda v: ",".join(f"{x:g}" for x in v)
         return (f"{self.name}-{self.image_size}-{self.interpolation.value}-m{norm(self.mean)}-s{norm(self.std)}"
                 f"-w{digest.hexdigest()[:12]}-timm{timm.__version__}-tv{torchvision.__version__}")
 

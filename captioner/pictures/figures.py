@@ -19,7 +19,7 @@ from PIL import ImageDraw, ImageFont
 
 from captioner.decoding.captioner import Caption
 from captioner.files import atomic_open
-from captioner.pictures.overlay import render_attention
+from captioner.pictures.overlay import render_attention, word_focus
 
 PANEL_INCHES = 2.4  # width of one panel
 DPI = 100
@@ -58,6 +58,24 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
     Returns:
         The path of the grid PNG.
     """
+    fig = attention_figure(image, caption, opacity, cmap, dpi)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi, facecolor="white")
+    if per_word_dir is not None or gif_path is not None:
+        frames = word_frames(image, caption, opacity, cmap)
+        if per_word_dir is not None:
+            save_per_word(frames[1:], caption.tokens, per_word_dir)
+        if gif_path is not None:
+            save_gif(frames, gif_path, frame_ms)
+    return path
+
+
+def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 0.6, cmap: str = "jet",
+                     dpi: int = DPI):
+    """The figure `plot_attention` saves (a matplotlib Figure on the Agg canvas): the caption, the
+    photo, one panel per word with its map and peak weight, and the colour scale they share."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -72,34 +90,43 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
     text = caption.text if caption.finished else caption.text + " ..."
     wrapped = textwrap.fill(text, width=max(28, int(cols * PANEL_INCHES * 8)))  # ~8 characters per inch at 13 pt
     header_in = 0.2 + 0.26 * (wrapped.count("\n") + 1)  # the caption over the whole grid
-    fig_w, fig_h = cols * PANEL_INCHES + 0.2, rows * (panel_h + title_in) + header_in + 0.1
+    scale_in = 0.75  # the colour scale under the panels
+    fig_w, fig_h = cols * PANEL_INCHES + 0.2, rows * (panel_h + title_in) + header_in + scale_in + 0.1
     fig = Figure(figsize=(fig_w, fig_h), dpi=dpi)
     FigureCanvasAgg(fig)
     fig.text(0.5, 1 - 0.12 / fig_h, wrapped, ha="center", va="top", fontsize=13, weight="bold", linespacing=1.3)
-    fig.subplots_adjust(left=0.1 / fig_w, right=1 - 0.1 / fig_w, bottom=0.1 / fig_h,
+    _draw_scale(fig, cmap, (0.2 / fig_h, 0.16 / fig_h), caption.attention[0].size)
+    fig.subplots_adjust(left=0.1 / fig_w, right=1 - 0.1 / fig_w, bottom=(scale_in + 0.1) / fig_h,
                         top=1 - (header_in + title_in) / fig_h, wspace=0.04,
                         hspace=title_in / panel_h)
-    panels = [(photo, "(image)")] + [(render_attention(photo, caption.attention[t], opacity, cmap,
-                                                        caption.cells), word)
-                                     for t, word in enumerate(caption.tokens)]
+    panels = [(photo, "(image)", None)] + [(render_attention(photo, caption.attention[t], opacity, cmap, caption.cells),
+                                            word, word_focus(caption.attention[t]))
+                                           for t, word in enumerate(caption.tokens)]
     for i in range(rows * cols):
         ax = fig.add_subplot(rows, cols, i + 1)
         ax.set_axis_off()
         if i < len(panels):
-            picture, label = panels[i]
+            picture, label, focus = panels[i]
             ax.imshow(np.asarray(picture), interpolation="bilinear")
             ax.set_title(label, fontsize=12, pad=3, color="dimgray" if i == 0 else "black")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=dpi, facecolor="white")
-    if per_word_dir is not None or gif_path is not None:
-        frames = word_frames(image, caption, opacity, cmap)
-        if per_word_dir is not None:
-            save_per_word(frames[1:], caption.tokens, per_word_dir)
-        if gif_path is not None:
-            save_gif(frames, gif_path, frame_ms)
-    return path
+            if focus is not None:
+                ax.text(0.02, 0.03, f"peak {focus[0]:.2f}", transform=ax.transAxes, fontsize=8, va="bottom",
+                        bbox={"facecolor": "white", "alpha": 0.75, "pad": 1.5, "linewidth": 0})
+    return fig
+
+
+def _draw_scale(fig, cmap: str, bottom_and_height: tuple[float, float], regions: int) -> None:
+    """The colour scale every panel shares (`heat`): a cell's weight as a multiple of the even share."""
+    bottom, height = bottom_and_height
+    ax = fig.add_axes((0.2, bottom, 0.6, height))
+    ax.imshow(np.linspace(0, 1, 256)[None, :], aspect="auto", cmap=cmap, extent=(0, 1, 0, 1))
+    ax.set_yticks([])
+    multiples = [m for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if m * 2 <= regions] + [regions]
+    ticks = [math.log(m) / math.log(regions) for m in multiples] if regions > 1 else [1.0]
+    ax.set_xticks(ticks, [f"{m}x" for m in multiples[:-1]] + ["all"])
+    ax.tick_params(labelsize=8, length=2, pad=1)
+    ax.set_title(f"a cell's weight, as a multiple of an even spread (1/{regions}); one scale for every word",
+                 fontsize=8, pad=2)
 
 
 # --- per-word frames (PIL) ------------------------------------------------------------------
@@ -116,8 +143,9 @@ def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
         return ImageFont.load_default(size=size)
 
 
-def _with_banner(picture: PIL.Image.Image, words: list[str], current: int | None) -> PIL.Image.Image:
-    """The picture above a white strip with the caption, the current word in bold colour."""
+def _with_banner(picture: PIL.Image.Image, words: list[str], current: int | None,
+                 note: str = "") -> PIL.Image.Image:
+    """The picture above a white strip with the caption, the current word large (with `note`) and in colour."""
     w, h = picture.size
     font = _font(max(14, w // 22))
     big = _font(max(20, w // 12))
@@ -138,6 +166,8 @@ def _with_banner(picture: PIL.Image.Image, words: list[str], current: int | None
     draw = ImageDraw.Draw(canvas)
     if current is not None:  # the word itself, large
         draw.text((w / 2, h + 6), words[current], fill=(20, 20, 20), font=big, anchor="mt")
+        if note:
+            draw.text((w - 8, h + 6 + big.size // 2), note, fill=(90, 90, 90), font=font, anchor="rm")
     y = h + word_h + 4
     for row in lines:
         x = (w - sum(font.getlength(words[i]) for i in row) - space * (len(row) - 1)) / 2
@@ -150,13 +180,14 @@ def _with_banner(picture: PIL.Image.Image, words: list[str], current: int | None
 
 
 def word_frames(image: PIL.Image.Image, caption: Caption, opacity: float = 0.6, cmap: str = "jet") -> list[PIL.Image.Image]:
-    """[the photo with the caption, then one overlay per word with the word written under it]."""
+    """[the photo with the caption, then one overlay per word with the word (and its peak weight) under it],
+    all on one colour scale (`full_scale`)."""
     photo = _display_copy(image, FRAME_SIDE)
     words = list(caption.tokens)
     frames = [_with_banner(photo, words, None)]
     for t in range(len(words)):
         overlay = render_attention(photo, caption.attention[t], opacity, cmap, caption.cells)
-        frames.append(_with_banner(overlay, words, t))
+        frames.append(_with_banner(overlay, words, t, f"peak {word_focus(caption.attention[t])[0]:.2f}"))
     return frames
 
 

@@ -5,6 +5,8 @@ Shapes: H' x W' attention grid, h x w image.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import PIL.Image
 import torch
@@ -43,20 +45,39 @@ def upsample(attention_map: np.ndarray, size: tuple[int, int], cells: Cells | No
     return up.clamp_min(0).numpy()  # (h, w)
 
 
+def heat(weights: np.ndarray, regions: int) -> np.ndarray:
+    """Attention weights per cell -> colour heat in [0, 1] on one fixed scale, the same for every word
+    and every image of a model: log of the weight as a multiple of the even share 1/L, from 0 at the
+    even share (or below) to 1 when all the weight is on one cell. A map spread evenly over the photo
+    stays clear, a word gathered on a few cells shows strong colour; 4x the even share is 1/3 of the
+    way on an 8x8 grid. (The page, captioner/serve/static/app.js, draws the same scale.)"""
+    if regions <= 1:
+        return np.ones_like(weights, dtype=np.float32)
+    return np.clip(np.log(np.maximum(weights * regions, 1e-12)) / math.log(regions), 0.0, 1.0).astype(np.float32)
+
+
+def word_focus(attention_map: np.ndarray) -> tuple[float, float]:
+    """(peak, spread) of one (H', W') map: the largest weight of a cell, and the entropy over the
+    cells divided by its maximum log L (0 = all on one cell, 1 = spread evenly)."""
+    p = np.asarray(attention_map, dtype=np.float64).ravel()
+    p = p / max(p.sum(), 1e-12)
+    entropy = -float((p[p > 0] * np.log(p[p > 0])).sum())
+    return float(p.max()), entropy / math.log(p.size) if p.size > 1 else 0.0
+
+
 def render_attention(image: PIL.Image.Image, attention_map: np.ndarray, opacity: float = 0.6,
                      cmap: str = "jet", cells: Cells | None = None) -> PIL.Image.Image:
     """The photo with one attention map blended over it: RGB, the photo's size.
 
-    The map is scaled to [0, 1] by its own maximum, so every word shows where *its* attention peaked.
-    The colour's opacity grows with the attention, from opacity/4 where the model did not look to
-    `opacity` at the peak, so the photo stays readable around the hot spots.
+    Colours are on `heat`'s fixed scale (multiples of the even share, the same for every word), not
+    stretched to each map's own maximum, so a word that looked everywhere looks faint. The colour's
+    opacity follows the heat too, from 0 to `opacity`, so the photo stays readable around the hot spots.
     """
     import matplotlib
 
-    heat = upsample(attention_map, image.size, cells)  # (h, w)
-    heat = heat / max(float(heat.max()), 1e-12)
-    colours = matplotlib.colormaps[cmap](heat)[..., :3]  # (h, w, 3) in [0, 1]
+    level = heat(upsample(attention_map, image.size, cells), np.size(attention_map))  # (h, w) in [0, 1]
+    colours = matplotlib.colormaps[cmap](level)[..., :3]  # (h, w, 3) in [0, 1]
     photo = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0  # (h, w, 3)
-    weight = opacity * (0.25 + 0.75 * heat)[..., None]  # (h, w, 1)
+    weight = opacity * level[..., None]  # (h, w, 1)
     blended = (1 - weight) * photo + weight * colours
     return PIL.Image.fromarray((blended * 255 + 0.5).clip(0, 255).astype(np.uint8))

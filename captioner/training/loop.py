@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ from captioner.config import Config, DecodeConfig
 from captioner.data.datasets import Batch, ImageBatch, collate, collate_images
 from captioner.data.order import SeededItems, mix_seed
 from captioner.data.vocab import Vocabulary
-from captioner.decoding.metrics import caption_metrics
+from captioner.decoding.metrics import caption_metrics, diversity
 from captioner.decoding.search import decode
 from captioner.errors import CaptionerError
 from captioner.model.caption_model import CaptionModel
@@ -55,6 +53,7 @@ from captioner.training.distributed import (
 from captioner.training.loss import Criterion, LossOutput, build_criterion
 from captioner.training.setup import setup
 from captioner.training.state import BEST, LAST, Meter, Run, append_metrics, save_best, save_last
+from captioner.training.stop import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -73,40 +72,6 @@ class TrainResult:
     metrics: dict[str, float]  # last validation
     history: list[dict[str, Any]]  # the metrics lines written in this session
     interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run at a checkpoint
-
-
-class StopRequest:
-    """Ctrl-C (SIGINT) and SIGTERM during training: the first one lets the current step finish, then
-    the run writes `last.pt` at that exact position and ends (`signal` says which arrived); a second
-    one stops at once (KeyboardInterrupt, or exit 143), a checkpoint being written is then abandoned
-    and the previous one stays. Handlers are installed only in the main thread, and restored after."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is None:
-            self.signal = signum
-            log.warning("%s: finishing this step, then writing last.pt (again to stop at once)",
-                        signal.Signals(signum).name)
-            return
-        self.__exit__()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
 
 
 def sampling_probability(final: float, epoch: int, epochs: int) -> float:
@@ -230,6 +195,7 @@ def decode_and_score(model: CaptionModel, loader: DataLoader, references: dict[i
     metrics = None
     if is_main:
         metrics = caption_metrics({i: references[i] for i in merged}, merged, meteor=meteor)
+        metrics.update(diversity(list(merged.values())))
     return broadcast_object(metrics), merged
 
 
@@ -253,6 +219,8 @@ def validate(run: Run) -> bool:
     run.metrics = metrics
     st.last_val_step = st.step
     value = metrics[tc.val_metric]
+    if tc.keep_validated and run.dist.is_main:
+        save_best(run, f"step-{st.step:07d}.pt")
     if st.best is None or value > st.best:
         st.best, st.best_step, st.bad_validations = value, st.step, 0
         if run.dist.is_main:

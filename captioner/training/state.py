@@ -172,6 +172,8 @@ def claim(run: Run) -> None:
         return
     for name in (LAST, BEST, METRICS):
         (run.out_dir / name).unlink(missing_ok=True)
+    for kept in run.out_dir.glob("step-*.pt"):
+        kept.unlink()
     shutil.rmtree(run.out_dir / "tb", ignore_errors=True)
     _start_files(run)
 
@@ -194,11 +196,11 @@ def save_last(run: Run) -> Path:
     return path
 
 
-def save_best(run: Run) -> Path:
-    """Write `best.pt`: the model, vocabulary, config and metrics, no resume state (rank 0 only)."""
+def save_best(run: Run, name: str = BEST) -> Path:
+    """Write `best.pt` (or `name`): the model, vocabulary, config and metrics, no resume state (rank 0 only)."""
     if not run.claimed:
         claim(run)
-    path = run.out_dir / BEST
+    path = run.out_dir / name
     save_checkpoint(path, run.cfg, run.vocab, run.model.state_dict(), None, _meta(run))
     return path
 

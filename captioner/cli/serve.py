@@ -1,0 +1,68 @@
+"""`captioner serve`: the page and the HTTP API (captioner.serve) on uvicorn."""
+from __future__ import annotations
+
+import argparse
+import socket
+
+from captioner.cli.common import add_decode_options, add_device, decode_overrides
+from captioner.errors import CaptionerError
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="a web page and HTTP API: captions and where the model looked, word by word",
+                       description="Serve the page (/) and the API (/api/caption, /api/health, /api/model; "
+                                   "docs at /docs) for one model.")
+    add_device(p)
+    add_decode_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
+                                                       "only; 0.0.0.0 for every network)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    p.add_argument("--max-mb", type=float, default=20.0, help="largest upload in MB (default 20)")
+    p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image in pixels (default 50M)")
+    p.add_argument("--max-batch", type=int, default=16, help="most requests captioned in one batch (default 16)")
+    p.add_argument("--max-delay-ms", type=float, default=5.0,
+                   help="how long the first waiting request waits for others to join its batch (default 5)")
+    p.set_defaults(func=run)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket, so a busy port fails before the model loads (and port 0 works)."""
+    if not 0 <= port <= 65535:
+        raise CaptionerError(f"--port {port}: expected 0 to 65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        return sock
+    except OSError as e:
+        raise CaptionerError(f"{host}:{port}: cannot listen there ({e.strerror or e})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from captioner.decoding.captioner import Captioner
+    from captioner.serve.app import Limits, create_app
+
+    if args.max_mb <= 0 or args.max_pixels <= 0 or args.max_batch < 1 or args.max_delay_ms < 0:
+        raise CaptionerError("--max-mb, --max-pixels and --max-batch must be positive, --max-delay-ms >= 0")
+    settings = decode_overrides(args)
+    sock = _listen(args.host, args.port)
+    captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
+    captioner.decode = captioner.decode_config(**settings)
+    limits = Limits(max_bytes=int(args.max_mb * 2**20), max_pixels=args.max_pixels)
+    app = create_app(captioner, " ".join(args.checkpoint), limits, args.max_batch, args.max_delay_ms)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {' + '.join(args.checkpoint)} at http://{shown}:{port}/  (API docs at /docs; Ctrl-C to stop)",
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn has shut down (requests answered, model thread stopped), then re-raises
+        pass
+    print("stopped", flush=True)
+    return 0

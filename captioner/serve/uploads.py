@@ -1,0 +1,84 @@
+"""Reading an uploaded image into memory: a multipart form's `image` field, or the raw body.
+
+The size limit holds before anything large is read: a Content-Length over it is refused at once, and
+a body sent without one (chunked) is cut off as soon as it passes the limit. Nothing goes to disk
+(Starlette's own form parser spools uploads over 1 MB to a temporary file).
+"""
+from __future__ import annotations
+
+from fastapi import Request
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.exceptions import HTTPException
+
+FIELD = "image"
+
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"upload is larger than the {limit / 2**20:.3g} MB allowed (--max-mb)")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (HTTP 413 beyond)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def form_field(body: bytes, content_type: str, name: str = FIELD) -> bytes:
+    """The bytes of field `name` of a multipart/form-data body (HTTP 422 when it has none)."""
+    _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise HTTPException(422, "multipart body without a boundary")
+    parts: dict[str, bytes] = {}
+    current: dict[str, object] = {}
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        current["field"] = current.get("field", b"") + data[start:end]  # type: ignore[operator]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        current["value"] = current.get("value", b"") + data[start:end]  # type: ignore[operator]
+
+    def on_header_end() -> None:
+        if bytes(current.pop("field", b"")).lower() == b"content-disposition":  # type: ignore[arg-type]
+            _, disposition = parse_options_header(bytes(current.get("value", b"")))  # type: ignore[arg-type]
+            current["name"] = disposition.get(b"name", b"").decode("utf-8", "replace")
+        current.pop("value", None)
+
+    def on_part_begin() -> None:
+        current.clear()
+        current["data"] = bytearray()
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        current["data"] += data[start:end]  # type: ignore[operator]
+
+    def on_part_end() -> None:
+        parts.setdefault(str(current.get("name", "")), bytes(current["data"]))  # type: ignore[arg-type]
+
+    parser = MultipartParser(boundary, {
+        "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
+        "on_part_begin": on_part_begin, "on_part_data": on_part_data, "on_part_end": on_part_end})
+    try:
+        parser.write(body)
+        parser.finalize()
+    except Exception as e:  # python-multipart's errors for a malformed body
+        raise HTTPException(422, f"malformed multipart body ({type(e).__name__})") from None
+    if name not in parts:
+        raise HTTPException(422, f"multipart body without an '{name}' field (fields: {', '.join(parts) or 'none'})")
+    return parts[name]
+
+
+async def read_upload(request: Request, limit: int) -> bytes:
+    """The image bytes of a request: the `image` field of a multipart form, else the whole body."""
+    body = await read_body(request, limit)
+    content_type = request.headers.get("content-type", "")
+    if content_type.lower().startswith("multipart/form-data"):
+        return form_field(body, content_type)
+    return body
