@@ -13,6 +13,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("captioner.data",),
     ("captioner.model",),
     ("captioner.decoding",),
+    ("captioner.deploy",),
     ("captioner.training",),
     ("captioner.pictures",),
     ("captioner.recipes",),
@@ -70,8 +71,8 @@ def test_the_check_catches_a_late_import(tmp_path, monkeypatch):
     source = "def f():\n    from captioner.training.loop import train\n    return train\n"
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake else Path.open(self).read())
     assert violations([fake]) == [
-        "captioner.data._late_import_probe (layer 1) imports captioner.training.loop (layer 4)",
-        "captioner.data._late_import_probe (layer 1) imports captioner.training.loop.train (layer 4)",
+        "captioner.data._late_import_probe (layer 1) imports captioner.training.loop (layer 5)",
+        "captioner.data._late_import_probe (layer 1) imports captioner.training.loop.train (layer 5)",
     ]
 
 

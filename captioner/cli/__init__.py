@@ -11,10 +11,10 @@ import logging
 import os
 import sys
 
-from captioner.cli import average, caption, demo, evaluate, prepare, serve, train, visualize
+from captioner.cli import average, caption, demo, evaluate, export, prepare, serve, train, visualize
 from captioner.errors import CaptionerError
 
-COMMANDS = (demo, prepare, train, caption, visualize, evaluate, serve, average)
+COMMANDS = (demo, prepare, train, caption, visualize, evaluate, serve, export, average)
 
 
 def build_parser() -> argparse.ArgumentParser:

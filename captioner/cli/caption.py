@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from captioner.cli.common import add_decode_options, add_device, decode_overrides
+from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
 from captioner.errors import CaptionerError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -19,6 +19,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     p.add_argument("images", nargs="+", metavar="IMG", help="image files, folders (their images) or glob patterns")
     add_decode_options(p)
+    add_runtime(p)
     p.add_argument("--json", action="store_true",
                    help="JSON lines: path, caption, tokens, score, attention (per word, rows x cols, sums to 1)")
     p.set_defaults(func=run)
@@ -50,13 +51,11 @@ def expand_images(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from captioner.decoding.captioner import Captioner
-
     settings = decode_overrides(args)
     paths, problems = expand_images(args.images)
     if not paths:
         raise CaptionerError(problems[0] if len(problems) == 1 else f"{' '.join(args.images)}: no image files found")
-    captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
+    captioner = load_captioner(args)
     for problem in problems:
         print(f"captioner: error: {problem}", file=sys.stderr, flush=True)
     failed = len(problems)

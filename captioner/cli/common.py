@@ -64,6 +64,27 @@ def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def add_runtime(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
+                   help="torch, or onnx: ONNX Runtime on the CPU, --checkpoint then an export folder of `captioner "
+                        "export` or a checkpoint (exported once into the cache); needs pip install 'captioner[onnx]'")
+
+
+def load_captioner(args: argparse.Namespace) -> Any:
+    """The Captioner the command's --checkpoint, --device and --runtime ask for."""
+    if getattr(args, "runtime", "torch") == "onnx":
+        from captioner.deploy.runtime import onnx_captioner
+
+        if len(args.checkpoint) > 1:
+            raise CaptionerError("--runtime onnx takes one model (an ensemble runs with --runtime torch)")
+        if args.device not in ("auto", "cpu"):
+            raise CaptionerError(f"--runtime onnx runs on the CPU, not --device {args.device}")
+        return onnx_captioner(args.checkpoint[0])
+    from captioner.decoding.captioner import Captioner
+
+    return Captioner.from_checkpoint(args.checkpoint, args.device)
+
+
 def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found",
                      diversity: dict[str, float] | None = None) -> None:
     """The metric table, the captions' diversity, and attention grounding when the data has boxes."""

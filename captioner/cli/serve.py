@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from captioner.cli.common import add_decode_options, add_device, decode_overrides
+from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
 from captioner.errors import CaptionerError
 
 
@@ -14,6 +14,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                                    "docs at /docs) for one model.")
     add_device(p)
     add_decode_options(p)
+    add_runtime(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                        "only; 0.0.0.0 for every network)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
@@ -44,14 +45,13 @@ def _listen(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from captioner.decoding.captioner import Captioner
     from captioner.serve.app import Limits, create_app
 
     if args.max_mb <= 0 or args.max_pixels <= 0 or args.max_batch < 1 or args.max_delay_ms < 0:
         raise CaptionerError("--max-mb, --max-pixels and --max-batch must be positive, --max-delay-ms >= 0")
     settings = decode_overrides(args)
     sock = _listen(args.host, args.port)
-    captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
+    captioner = load_captioner(args)
     captioner.decode = captioner.decode_config(**settings)
     limits = Limits(max_bytes=int(args.max_mb * 2**20), max_pixels=args.max_pixels)
     app = create_app(captioner, " ".join(args.checkpoint), limits, args.max_batch, args.max_delay_ms)

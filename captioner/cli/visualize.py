@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from captioner.cli.common import add_decode_options, add_device, decode_overrides
+from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
 from captioner.errors import CaptionerError
 from captioner.files import writable_dir, writable_file
 
@@ -13,6 +13,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     p.add_argument("image", metavar="IMG", help="the image to caption")
     add_decode_options(p)
+    add_runtime(p)
     p.add_argument("-o", "--out", required=True, help="PNG to write: the photo, then one panel per word")
     p.add_argument("--per-word", metavar="DIR", help="also write one PNG per word into DIR")
     p.add_argument("--gif", metavar="OUT.gif", help="also write an animated GIF, one frame per word")
@@ -23,7 +24,6 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from captioner.data.images import load_image
-    from captioner.decoding.captioner import Captioner
     from captioner.pictures.figures import plot_attention
 
     settings = decode_overrides(args)
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.opacity <= 1:
         raise CaptionerError(f"--opacity must be in [0, 1], got {args.opacity}")
     image = load_image(args.image)
-    captioner = Captioner.from_checkpoint(args.checkpoint, args.device)
+    captioner = load_captioner(args)
     (caption,) = captioner.caption([image], **settings)
     caption.path = args.image
     out = plot_attention(image, caption, args.out, per_word_dir=args.per_word, gif_path=args.gif,

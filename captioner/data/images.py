@@ -37,11 +37,23 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
 
-def load_image(path: str | Path) -> Image.Image:
+FULL_SIZE = "captioner_full_size"  # image.info key: (w, h) of the upright image before draft decoding
+
+
+def full_size(image: Image.Image) -> tuple[int, int]:
+    """(w, h) of the photo as it is on disk (upright), also when `load_image(draft=...)` decoded less."""
+    return image.info.get(FULL_SIZE, image.size)
+
+
+def load_image(path: str | Path, draft: int | None = None) -> Image.Image:
     """Decode `path` fully and return an RGB image, EXIF orientation applied.
 
     Grayscale, palette, alpha (composited on white), CMYK and 16/32-bit integer images all
     become 8-bit RGB. Raises ImageError for a missing, empty, truncated or non-image file.
+
+    `draft`: the side the image will be resized to. A JPEG is then decoded at the smallest DCT
+    scale (1/2, 1/4, 1/8) that still leaves both sides at least `draft` pixels (Pillow's draft
+    mode: less to decode and less to resize); `full_size(image)` still gives the photo's size.
     """
     path = Path(path)
     try:
@@ -50,9 +62,13 @@ def load_image(path: str | Path) -> Image.Image:
         if path.stat().st_size == 0:
             raise ImageError(f"{path}: empty file")
         with Image.open(path) as im:
+            size = _upright(im)
+            if draft and im.format == "JPEG":
+                im.draft("RGB", (draft, draft))
             im.load()  # decode everything now: truncated data fails here, not later
-            im = _exif_transpose(im, path)
-            return to_rgb(im)
+            im = to_rgb(_exif_transpose(im, path))
+            im.info[FULL_SIZE] = size
+            return im
     except ImageError:
         raise
     except FileNotFoundError:
@@ -100,6 +116,15 @@ def prepare_image(image: Image.Image, name: str = "<image>") -> Image.Image:
         return to_rgb(oriented)
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
         raise ImageError(f"{name}: truncated or corrupt image ({_reason(e)})") from None
+
+
+def _upright(im: Image.Image) -> tuple[int, int]:
+    """(w, h) once EXIF orientation is applied (orientations 5-8 swap the sides)."""
+    try:
+        turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+    except Exception:  # a broken EXIF block: exif_transpose will ignore it too
+        turned = False
+    return (im.height, im.width) if turned else (im.width, im.height)
 
 
 def _exif_transpose(im: Image.Image, path: Path | str) -> Image.Image:

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import PIL.Image
 import torch
 
 from captioner.config import DecodeConfig
-from captioner.data.images import ImageError, load_image, prepare_image
+from captioner.data.images import ImageError, full_size, load_image, prepare_image
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.ensemble import EnsembleDecoder
 from captioner.decoding.search import Hypothesis, decode_n_best
@@ -36,6 +38,13 @@ from captioner.runtime import resolve_device
 log = logging.getLogger(__name__)
 
 ImageInput = PIL.Image.Image | str | Path
+LOADER_THREADS = 2  # threads decoding and preprocessing images ahead of the model
+
+
+class _Loaded(NamedTuple):
+    pixels: torch.Tensor  # (3, S, S), `Captioner.preprocess`
+    size: tuple[int, int]  # (w, h) of the photo, upright
+    path: str | None
 CheckpointSource = str | Path | Checkpoint
 
 @dataclass
@@ -102,6 +111,7 @@ class Captioner:
         self.meta = meta or {}
         self.transform = model.encoder.transform(train=False)
         self.grid: tuple[int, int] = tuple(model.encoder.grid)  # type: ignore[assignment]
+        self.image_side: int = model.encoder.image_size
 
     @classmethod
     def from_checkpoint(cls, path: CheckpointSource | Sequence[CheckpointSource], device: str | torch.device = "auto",
@@ -150,39 +160,66 @@ class Captioner:
         if not 0 <= alternatives < cfg.beam_size:
             raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
         out: list[Caption] = []
-        for start in range(0, len(images), batch_size):
-            chunk = images[start : start + batch_size]
-            pil = [prepare_image(im) if isinstance(im, PIL.Image.Image) else load_image(im) for im in chunk]
-            paths = [None if isinstance(im, PIL.Image.Image) else str(im) for im in chunk]
-            out += self._caption_batch(pil, paths, cfg, alternatives)
-        return out
+        batch: list[_Loaded] = []
+        for _, loaded in self._read_ahead(images, 2 * batch_size):
+            if isinstance(loaded, ImageError):
+                raise loaded
+            batch.append(loaded)
+            if len(batch) == batch_size:
+                out += self._caption_loaded(batch, cfg, alternatives)
+                batch = []
+        return out + self._caption_loaded(batch, cfg, alternatives)
 
     def caption_files(self, paths: Iterable[str | Path], batch_size: int = 32,
                       **decode_overrides: Any) -> Iterator[tuple[str, Caption | ImageError]]:
         """Caption image files lazily, in order: yields (path, Caption) or (path, ImageError) per file,
-        so one unreadable file costs only itself. At most `batch_size` images are in memory."""
+        so one unreadable file costs only itself. At most 3 x `batch_size` images are in memory."""
         cfg = self.decode_config(**decode_overrides)
-        batch: list[tuple[str, PIL.Image.Image | ImageError]] = []  # files in order, loaded or failed
+        batch: list[tuple[str, _Loaded | ImageError]] = []  # files in order, loaded or failed
 
         def flush() -> Iterator[tuple[str, Caption | ImageError]]:
-            good = [(p, im) for p, im in batch if not isinstance(im, ImageError)]
-            captions = iter(self._caption_batch([im for _, im in good], [p for p, _ in good], cfg))
-            for p, im in batch:
-                yield p, (im if isinstance(im, ImageError) else next(captions))
+            captions = iter(self._caption_loaded([x for _, x in batch if not isinstance(x, ImageError)], cfg))
+            for p, x in batch:
+                yield p, (x if isinstance(x, ImageError) else next(captions))
 
         loaded = 0
-        for path in paths:
-            path = str(path)
-            try:
-                batch.append((path, load_image(path)))
-                loaded += 1
-            except ImageError as e:
-                batch.append((path, e))
+        for path, result in self._read_ahead((str(p) for p in paths), 2 * batch_size):
+            batch.append((path, result))
+            loaded += not isinstance(result, ImageError)
             if loaded == batch_size:
                 yield from flush()
                 batch, loaded = [], 0
         if batch:
             yield from flush()
+
+    def _read(self, image: ImageInput) -> _Loaded:
+        """Decode (a JPEG at a reduced scale when the encoder's side allows) and preprocess one image."""
+        if isinstance(image, PIL.Image.Image):
+            rgb, path = prepare_image(image), None
+        else:
+            rgb, path = load_image(image, draft=self.image_side), str(image)
+        return _Loaded(self.preprocess(rgb), full_size(rgb), path)
+
+    def _read_ahead(self, images: Iterable[ImageInput], ahead: int) -> Iterator[tuple[ImageInput, _Loaded | ImageError]]:
+        """`_read` of each image on LOADER_THREADS threads, at most `ahead` images in advance, in order:
+        decoding the next images overlaps with captioning these (Pillow and torch release the GIL)."""
+
+        def result(future: Future) -> _Loaded | ImageError:
+            try:
+                return future.result()
+            except ImageError as e:
+                return e
+
+        with ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="captioner-load") as pool:
+            pending: deque[tuple[ImageInput, Future]] = deque()
+            for image in images:
+                pending.append((image, pool.submit(self._read, image)))
+                if len(pending) > ahead:
+                    first, future = pending.popleft()
+                    yield first, result(future)
+            while pending:
+                first, future = pending.popleft()
+                yield first, result(future)
 
     def preprocess(self, image: PIL.Image.Image) -> torch.Tensor:
         """An RGB image -> (3, S, S) normalised pixels on the CPU, the encoder's eval preprocessing
@@ -214,10 +251,9 @@ class Captioner:
             captions.append(dataclasses.replace(best, alternatives=others))
         return captions
 
-    def _caption_batch(self, images: list[PIL.Image.Image], paths: list[str | None],
-                       cfg: DecodeConfig, alternatives: int = 0) -> list[Caption]:
-        pixels = [self.preprocess(im) for im in images]
-        return self.caption_pixels(pixels, [im.size for im in images], paths, alternatives, **dataclasses.asdict(cfg))
+    def _caption_loaded(self, loaded: list[_Loaded], cfg: DecodeConfig, alternatives: int = 0) -> list[Caption]:
+        return self.caption_pixels([x.pixels for x in loaded], [x.size for x in loaded], [x.path for x in loaded],
+                                   alternatives, **dataclasses.asdict(cfg))
 
     def _to_caption(self, hyp: Hypothesis, image_size: tuple[int, int], path: str | None) -> Caption:
         words = [self.vocab.word(i) for i in hyp.tokens]

@@ -8,7 +8,7 @@ their weights are `captioner.model.backbones`'.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -40,6 +40,15 @@ class Cells(NamedTuple):
 
 def _rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def eval_transform(image_size: int, interpolation: T.InterpolationMode, mean: Sequence[float],
+                   std: Sequence[float]) -> Callable[[PIL.Image.Image], Tensor]:
+    """PIL image -> (3, S, S) normalised tensor, the preprocessing of inference (and of the cache):
+    one square resize (aspect not kept, nothing cropped away), ToTensor, the weights' normalisation."""
+    size = (image_size, image_size)
+    return T.Compose([_rgb, T.Resize(size, interpolation=interpolation, antialias=True), T.ToTensor(),
+                      T.Normalize(mean, std)])
 
 
 class Encoder(nn.Module):
@@ -121,12 +130,13 @@ class Encoder(nn.Module):
             train: add modest augmentation: a crop of 80-100% of the area and small colour jitter.
                 No horizontal flip: captions say "left" and "right".
         """
+        if not train:
+            return eval_transform(self.image_size, self.interpolation, self.mean, self.std)
         size = (self.image_size, self.image_size)
-        resize = [T.Resize(size, interpolation=self.interpolation, antialias=True)]
-        if train:
-            resize += [T.RandomResizedCrop(size, scale=(0.8, 1.0), ratio=(0.9, 1.1), interpolation=self.interpolation,
-                                           antialias=True),
-                       T.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2)]
+        resize = [T.Resize(size, interpolation=self.interpolation, antialias=True),
+                  T.RandomResizedCrop(size, scale=(0.8, 1.0), ratio=(0.9, 1.1), interpolation=self.interpolation,
+                                      antialias=True),
+                  T.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2)]
         return T.Compose([_rgb, *resize, T.ToTensor(), T.Normalize(self.mean, self.std)])
 
     def cache_key(self) -> str:

@@ -1,0 +1,28 @@
+"""Deploying a model without its training code's costs: ONNX graphs and ONNX Runtime inference.
+
+    export.py    `export_onnx(checkpoint, folder)`: encoder, memory and step graphs + manifest, verified
+    runtime.py   `onnx_captioner(folder)`: a `Captioner` whose encoder and decoder steps run in ONNX Runtime
+
+`onnx` and `onnxruntime` are an optional extra: `pip install captioner[onnx]`.
+"""
+from __future__ import annotations
+
+from captioner.errors import CaptionerError
+
+MANIFEST = "manifest.json"
+OPSET = 18
+GRAPHS = ("encoder", "memory", "step")
+
+
+class FormatError(CaptionerError):
+    """A model that cannot be exported, or an export folder that cannot be used."""
+
+
+def require_onnx() -> None:
+    """A one-line error naming the extra when onnx / onnxruntime are missing."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError as e:
+        raise FormatError(f"the ONNX runtime needs the 'onnx' extra: pip install 'captioner[onnx]' "
+                          f"({e.name} is not installed)") from None

@@ -1,0 +1,161 @@
+"""`captioner export --format onnx`: a checkpoint as three ONNX graphs and a manifest.
+
+    encoder.onnx   pixels (B, 3, S, S) -> grid (B, L, D_enc)                          the CNN
+    memory.onnx    grid (B, L, D_enc) -> features (B, L, D), keys (B, L, A), state (B, S_h)   once per image
+    step.onnx      tokens (R,), state (R, S_h), features (R, L, D), keys (R, L, A)
+                   -> logits (R, V), alpha (R, L), state (R, S_h)                      one word
+    manifest.json  vocabulary, decode defaults, grid and cell geometry, preprocessing, versions
+
+Every batch axis is dynamic. The project's beam search drives memory and step exactly as it drives
+the torch decoder (`captioner.deploy.runtime`). Each graph is checked with the ONNX checker and
+compared with torch on inputs of two batch sizes before the export counts as done.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from captioner.deploy import MANIFEST, OPSET, FormatError, require_onnx
+from captioner.files import atomic_write_text, writable_dir
+from captioner.model.caption_model import CaptionModel
+from captioner.model.checkpoint import load_checkpoint, restore_model
+from captioner.model.decoder import Memory
+
+log = logging.getLogger(__name__)
+TOLERANCE = 1e-4  # largest difference from torch accepted, on any output
+
+
+class _EncoderGraph(nn.Module):
+    def __init__(self, model: CaptionModel) -> None:
+        super().__init__()
+        self.encoder = model.encoder
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        return self.encoder(pixels)  # (B, L, D_enc)
+
+
+class _MemoryGraph(nn.Module):
+    def __init__(self, model: CaptionModel) -> None:
+        super().__init__()
+        self.decoder = model.decoder
+
+    def forward(self, grid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        memory = self.decoder.memory(grid)
+        return memory.features, memory.keys, self.decoder.init_hidden(memory)
+
+
+class _StepGraph(nn.Module):
+    def __init__(self, model: CaptionModel) -> None:
+        super().__init__()
+        self.decoder = model.decoder
+
+    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out = self.decoder.step(tokens, state, Memory(features, keys))
+        return out.logits, out.alpha, out.hidden
+
+
+@dataclass
+class ExportReport:
+    """What was written and how closely each graph matches torch (largest absolute difference)."""
+
+    folder: Path
+    files: list[Path]
+    differences: dict[str, float]
+
+
+def _export(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str], outputs: list[str], path: Path) -> None:
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    shapes = {name: {0: batch} for name in names}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's notes on its own internals
+        program = torch.onnx.export(module.eval(), inputs, input_names=names, output_names=outputs,
+                                    dynamic_shapes=dict(zip(_arg_names(module), shapes.values())), dynamo=True,
+                                    opset_version=OPSET, verbose=False)
+    program.save(str(path), external_data=False)
+
+
+def _arg_names(module: nn.Module) -> list[str]:
+    import inspect
+
+    return [p for p in inspect.signature(module.forward).parameters]
+
+
+def _compare(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], names: list[str]) -> float:
+    """Check the graph (ONNX checker) and run it next to torch: the largest difference of any output."""
+    import onnx
+    import onnxruntime as ort
+
+    onnx.checker.check_model(str(path), full_check=True)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {n: x.numpy() for n, x in zip(names, inputs)})
+    with torch.no_grad():
+        want = module(*inputs)
+    want = want if isinstance(want, tuple) else (want,)
+    return max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
+
+
+def manifest(ckpt: Any, model: CaptionModel, checkpoint: str) -> dict[str, Any]:
+    """What the runtime needs besides the graphs."""
+    import onnx
+    import onnxruntime
+
+    enc = model.encoder
+    return {
+        "format": "captioner-onnx", "version": 1, "checkpoint": checkpoint,
+        "encoder": {"name": enc.name, "image_size": enc.image_size, "interpolation": enc.interpolation.value,
+                    "mean": list(enc.mean), "std": list(enc.std), "grid": list(enc.grid),
+                    "cells": enc.cells._asdict(), "width": enc.out_dim},
+        "vocabulary": ckpt.vocab.to_list(),
+        "decode": dataclasses.asdict(ckpt.config.decode),
+        "meta": {k: ckpt.meta[k] for k in ("epoch", "step", "metrics") if k in ckpt.meta},
+        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+    }
+
+
+def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> ExportReport:
+    """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. Raises FormatError
+    (one line) for what cannot be exported, and when a graph differs from torch by more than TOLERANCE."""
+    require_onnx()
+    out = writable_dir(out_dir)
+    ckpt = load_checkpoint(checkpoint)
+    if ckpt.model_config.decoder.init_pooling == "attention":
+        raise FormatError(f"{checkpoint}: model.decoder.init_pooling 'attention' is not exported yet (use 'mean' "
+                          f"or 'none')")
+    model = restore_model(ckpt, checkpoint).eval()
+    generator = torch.Generator().manual_seed(seed)
+    S, dec = model.encoder.image_size, model.decoder
+
+    def examples(batch: int) -> dict[str, tuple[Tensor, ...]]:
+        pixels = torch.randn(batch, 3, S, S, generator=generator)
+        with torch.no_grad():
+            grid = model.encoder(pixels)
+            memory = dec.memory(grid)
+            state = dec.init_hidden(memory) + 0.1 * torch.randn(batch, dec.init_hidden(memory).size(1),
+                                                                 generator=generator)
+        tokens = torch.randint(4, len(ckpt.vocab), (batch,), generator=generator)
+        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, memory.features, memory.keys)}
+
+    graphs = {"encoder": (_EncoderGraph(model), ["pixels"], ["grid"]),
+              "memory": (_MemoryGraph(model), ["grid"], ["features", "keys", "state"]),
+              "step": (_StepGraph(model), ["tokens", "state", "features", "keys"], ["logits", "alpha", "new_state"])}
+    traced, checks = examples(2), [examples(1), examples(5)]
+    files, differences = [], {}
+    for name, (module, inputs, outputs) in graphs.items():
+        path = out / f"{name}.onnx"
+        log.info("exporting %s", path)
+        _export(module, traced[name], inputs, outputs, path)
+        differences[name] = max(_compare(path, module, check[name], inputs) for check in checks)
+        if differences[name] > TOLERANCE:
+            raise FormatError(f"{path}: differs from torch by {differences[name]:.2e} (more than {TOLERANCE:g})")
+        files.append(path)
+    files.append(atomic_write_text(out / MANIFEST, json.dumps(manifest(ckpt, model, str(checkpoint)), indent=1)))
+    return ExportReport(out, files, differences)

@@ -1,0 +1,154 @@
+"""Captioning with ONNX Runtime: the exported graphs behind the `Captioner` API.
+
+`onnx_captioner(folder_or_checkpoint)` returns a `Captioner` whose model is an `OnnxModel`: its
+encoder runs encoder.onnx, its decoder answers `memory`, `init_hidden` and `step` from memory.onnx
+and step.onnx, so the project's own beam search (captioner.decoding.search) drives it exactly as it
+drives the torch decoder, and captions, scores and maps come out the same. A checkpoint given
+instead of an export folder is exported once into the cache ($CAPTIONER_CACHE/onnx/<digest>).
+
+Sessions run on the CPU with every graph optimisation on and as many threads as torch uses
+(`torch.set_num_threads`, or OMP_NUM_THREADS).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchvision.transforms import InterpolationMode
+
+from captioner.config import DecodeConfig
+from captioner.data.vocab import Vocabulary
+from captioner.decoding.captioner import Captioner
+from captioner.deploy import GRAPHS, MANIFEST, FormatError, require_onnx
+from captioner.files import cache_home
+from captioner.model.decoder import Memory, StepOutput
+from captioner.model.encoder import Cells, eval_transform
+
+log = logging.getLogger(__name__)
+
+
+def _session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's errors for a missing or damaged graph
+        raise FormatError(f"{path}: not a usable ONNX graph ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+class OnnxEncoder:
+    """encoder.onnx as `Encoder`'s inference side: `infer`, `transform`, `grid`, `cells`."""
+
+    def __init__(self, session: Any, spec: dict[str, Any]) -> None:
+        self.session = session
+        self.name, self.image_size = spec["name"], int(spec["image_size"])
+        self.grid: tuple[int, int] = tuple(spec["grid"])  # type: ignore[assignment]
+        self.cells = Cells(**spec["cells"])
+        self._transform = eval_transform(self.image_size, InterpolationMode(spec["interpolation"]), spec["mean"],
+                                         spec["std"])
+
+    def transform(self, train: bool = False) -> Any:
+        return self._transform
+
+    def infer(self, pixels: Tensor) -> Tensor:
+        """(B, 3, S, S) -> (B, L, D_enc), one call for the whole batch."""
+        (grid,) = self.session.run(None, {"pixels": pixels.float().contiguous().numpy()})
+        return torch.from_numpy(grid)
+
+
+@dataclass(frozen=True)
+class OnnxMemory(Memory):
+    """Memory that also carries memory.onnx's initial state (selecting rows drops it: only the
+    search's start needs it)."""
+
+    initial: Tensor | None = None
+
+
+class OnnxDecoder:
+    """memory.onnx and step.onnx as the decoder interface beam search uses."""
+
+    def __init__(self, memory: Any, step: Any) -> None:
+        self.memory_session, self.step_session = memory, step
+        self.training = False
+
+    def memory(self, grid: Tensor) -> OnnxMemory:
+        features, keys, state = self.memory_session.run(None, {"grid": grid.float().contiguous().numpy()})
+        return OnnxMemory(torch.from_numpy(features), torch.from_numpy(keys), torch.from_numpy(state))
+
+    def init_hidden(self, memory: OnnxMemory) -> Tensor:
+        return memory.initial
+
+    def step(self, tokens: Tensor, state: Tensor, memory: Memory) -> StepOutput:
+        logits, alpha, new_state = self.step_session.run(None, {
+            "tokens": tokens.contiguous().numpy(), "state": state.contiguous().numpy(),
+            "features": memory.features.contiguous().numpy(), "keys": memory.keys.contiguous().numpy()})
+        return StepOutput(torch.from_numpy(logits), torch.from_numpy(alpha), torch.from_numpy(new_state))
+
+
+class OnnxModel:
+    """What `Captioner` needs of a model: `encoder`, `decoder`, `to` (the CPU only) and `eval`."""
+
+    def __init__(self, encoder: OnnxEncoder, decoder: OnnxDecoder) -> None:
+        self.encoder, self.decoder = encoder, decoder
+
+    def to(self, device: torch.device | str) -> OnnxModel:
+        if torch.device(device).type != "cpu":
+            raise FormatError(f"the ONNX runtime runs on the CPU here, not {device} (use --runtime torch)")
+        return self
+
+    def eval(self) -> OnnxModel:
+        return self
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    missing = [name for name in (MANIFEST, *(f"{g}.onnx" for g in GRAPHS)) if not (folder / name).is_file()]
+    if missing:
+        raise FormatError(f"{folder}: not an export folder of `captioner export` ({', '.join(missing)} missing)")
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{folder / MANIFEST}: unreadable ({e})") from None
+    if manifest.get("format") != "captioner-onnx":
+        raise FormatError(f"{folder / MANIFEST}: not a captioner export manifest")
+    return manifest
+
+
+def exported(source: str | Path) -> Path:
+    """An export folder for `source`: itself, or (for a checkpoint) its export in the cache, made once."""
+    source = Path(source)
+    if source.is_dir():
+        return source
+    if not source.is_file():
+        raise FormatError(f"{source}: no such checkpoint or export folder")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    folder = cache_home() / "onnx" / digest
+    if not (folder / MANIFEST).is_file():
+        from captioner.deploy.export import export_onnx
+
+        log.warning("exporting %s to ONNX in %s (once)", source, folder)
+        export_onnx(source, folder)
+    return folder
+
+
+def onnx_captioner(source: str | Path, decode: DecodeConfig | None = None, threads: int | None = None) -> Captioner:
+    """A `Captioner` on ONNX Runtime, from an export folder or a checkpoint (exported once, cached)."""
+    require_onnx()
+    folder = exported(source)
+    manifest = read_manifest(folder)
+    threads = threads or torch.get_num_threads()
+    sessions = {g: _session(folder / f"{g}.onnx", threads) for g in GRAPHS}
+    model = OnnxModel(OnnxEncoder(sessions["encoder"], manifest["encoder"]),
+                      OnnxDecoder(sessions["memory"], sessions["step"]))
+    return Captioner(model, Vocabulary.from_list(manifest["vocabulary"]),  # type: ignore[arg-type]
+                     decode or DecodeConfig(**manifest["decode"]), "cpu", manifest.get("meta", {}))

@@ -1,0 +1,181 @@
+"""ONNX export and ONNX Runtime inference: the same captions, scores and maps as torch; one-line errors."""
+import builtins
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from captioner.cli import main
+from captioner.config import Config, DecodeConfig, DecoderConfig, EncoderConfig, ModelConfig
+from captioner.data.images import full_size, load_image
+from captioner.data.vocab import build_vocabulary
+from captioner.decoding.captioner import Captioner
+from captioner.deploy import FormatError
+from captioner.model import build_model
+from captioner.model.checkpoint import save_checkpoint
+
+pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install -e .[dev])")
+from captioner.deploy.export import export_onnx  # noqa: E402
+from captioner.deploy.runtime import onnx_captioner  # noqa: E402
+
+CAPTIONS = ["a red circle to the left of a blue square", "a green triangle above a yellow circle",
+            "there is a purple square"]
+SHARED = Path(__file__).resolve().parents[2] / "shared/data/flickr8k-800/Images"
+
+
+def _checkpoint(path: Path, **decoder) -> Path:
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64),
+                            decoder=DecoderConfig(embed_dim=16, hidden_dim=32, attention_dim=16, dropout=0.0, **decoder))
+    vocab = build_vocabulary(CAPTIONS)
+    model = build_model(model_cfg, len(vocab), pretrained=False)
+    with torch.no_grad():
+        model.decoder.readout.weight.mul_(4.0)  # peaked word distributions: no near-ties
+        model.decoder.attention.score.weight.mul_(20.0)  # maps with something to compare
+    return save_checkpoint(path, Config(model=model_cfg, decode=DecodeConfig(beam_size=3, max_length=8)), vocab,
+                           model.state_dict())
+
+
+def _images(n: int = 6) -> list[PIL.Image.Image]:
+    rng = np.random.default_rng(0)
+    return [PIL.Image.fromarray(rng.integers(0, 256, (48 + 8 * i, 64, 3), dtype=np.uint8)) for i in range(n)]
+
+
+DECODERS = {"after-none": {"attend": "after", "init_pooling": "none"},
+            "before-mean": {"attend": "before", "init_pooling": "mean", "position": False}}
+_EXPORTS: dict[str, tuple] = {}
+
+
+def _exported(tmp_path_factory, name: str):
+    if name not in _EXPORTS:
+        folder = tmp_path_factory.mktemp("onnx")
+        checkpoint = _checkpoint(folder / "tiny.pt", **DECODERS[name])
+        _EXPORTS[name] = checkpoint, export_onnx(checkpoint, folder / "export")
+    return _EXPORTS[name]
+
+
+@pytest.fixture(params=list(DECODERS))
+def each_exported(request, tmp_path_factory):
+    """Both decoder layouts, each exported once."""
+    return _exported(tmp_path_factory, request.param)
+
+
+@pytest.fixture
+def exported(tmp_path_factory):
+    """The demo's decoder layout, exported once."""
+    return _exported(tmp_path_factory, "after-none")
+
+
+def test_onnx_runtime_captions_exactly_as_torch(each_exported):
+    checkpoint, report = each_exported
+    assert {p.name for p in report.files} == {"encoder.onnx", "memory.onnx", "step.onnx", "manifest.json"}
+    assert max(report.differences.values()) < 1e-4
+    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(_images(), alternatives=2)
+    onnx_captions = onnx_captioner(report.folder).caption(_images(), alternatives=2)
+    for t, o in zip(torch_captions, onnx_captions):
+        assert o.tokens == t.tokens and o.finished == t.finished and o.image_size == t.image_size
+        assert o.score == pytest.approx(t.score, abs=1e-4) and o.cells == t.cells
+        np.testing.assert_allclose(o.attention, t.attention, atol=1e-4)
+        assert [a.tokens for a in o.alternatives] == [a.tokens for a in t.alternatives]
+
+
+def test_a_checkpoint_is_exported_once_into_the_cache(exported, monkeypatch, tmp_path):
+    checkpoint, _ = exported
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path))
+    first = onnx_captioner(checkpoint).caption(_images(2))
+    (folder,) = (tmp_path / "onnx").iterdir()
+    stamp = (folder / "step.onnx").stat().st_mtime_ns
+    second = onnx_captioner(checkpoint).caption(_images(2))
+    assert [c.tokens for c in first] == [c.tokens for c in second]
+    assert (folder / "step.onnx").stat().st_mtime_ns == stamp
+
+
+def test_cli_export_then_caption_with_the_onnx_runtime(exported, tmp_path, capsys):
+    checkpoint, _ = exported
+    image = tmp_path / "photo.png"
+    _images(1)[0].save(image)
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "out")]) == 0
+    assert "largest difference from torch" in capsys.readouterr().out
+    assert main(["caption", str(image), "--checkpoint", str(tmp_path / "out"), "--runtime", "onnx", "--json"]) == 0
+    onnx_row = json.loads(capsys.readouterr().out)
+    assert main(["caption", str(image), "--checkpoint", str(checkpoint), "--json", "--device", "cpu"]) == 0
+    torch_row = json.loads(capsys.readouterr().out)
+    assert onnx_row["tokens"] == torch_row["tokens"]
+    assert onnx_row["score"] == pytest.approx(torch_row["score"], abs=1e-4)
+
+
+def test_a_missing_extra_is_one_line_naming_it(exported, monkeypatch, tmp_path, capsys):
+    checkpoint, _ = exported
+    real_import = builtins.__import__
+
+    def no_onnxruntime(name, *args, **kwargs):
+        if name == "onnxruntime":
+            raise ImportError("No module named 'onnxruntime'", name="onnxruntime")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_onnxruntime)
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("captioner: error: the ONNX runtime needs the 'onnx' extra: pip install 'captioner[onnx]' "
+                   "(onnxruntime is not installed)")
+    assert main(["caption", "x.png", "--checkpoint", str(checkpoint), "--runtime", "onnx"]) == 2
+    assert "pip install 'captioner[onnx]'" in capsys.readouterr().err
+
+
+def test_bad_export_folders_and_settings_are_one_line(exported, tmp_path):
+    checkpoint, report = exported
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text((report.folder / "manifest.json").read_text())
+    with pytest.raises(FormatError, match=r"broken: not an export folder .*encoder.onnx, memory.onnx, step.onnx missing"):
+        onnx_captioner(broken)
+    pooled = _checkpoint(tmp_path / "pooled.pt", init_pooling="attention")
+    with pytest.raises(FormatError, match="init_pooling 'attention' is not exported yet"):
+        export_onnx(pooled, tmp_path / "pooled")
+
+
+def test_draft_decoding_keeps_the_photo_size_and_what_the_encoder_sees(tmp_path):
+    """A large JPEG decoded at 1/4 scale (draft mode) then resized to the encoder's side, against the
+    full decode resized: nearly the same pixels, and `full_size` is still the photo's."""
+    rng = np.random.default_rng(1)
+    small = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    photo = PIL.Image.fromarray(small).resize((1600, 1200), PIL.Image.BICUBIC)  # smooth, like a photo
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # stored sideways
+    path = tmp_path / "big.jpg"
+    photo.save(path, quality=92, exif=exif)
+    drafted, full = load_image(path, draft=256), load_image(path)
+    assert full.size == full_size(full) == full_size(drafted) == (1200, 1600)  # upright
+    assert drafted.size == (300, 400)  # 1/4 scale: both sides still >= 256
+    a, b = (np.asarray(im.resize((256, 256), PIL.Image.BICUBIC), np.float32) for im in (drafted, full))
+    assert np.abs(a - b).mean() < 2.0  # of 255
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} not present")
+def test_draft_decoding_changes_little_on_real_photos(tmp_path):
+    """Shared photos enlarged 4x (so that draft mode decodes them at 1/4): the encoder's grids of the
+    draft and of the full decode agree (cosine similarity of every region)."""
+    from captioner.model.encoder import build_encoder
+
+    encoder = build_encoder(EncoderConfig(name="efficientnet_lite0", image_size=256)).eval()
+    transform = encoder.transform()
+    for i, source in enumerate(sorted(SHARED.glob("*.jpg"))[:4]):
+        big = tmp_path / f"{i}.jpg"
+        with PIL.Image.open(source) as im:
+            im.convert("RGB").resize((im.width * 4, im.height * 4), PIL.Image.BICUBIC).save(big, quality=90)
+        drafted, full = load_image(big, draft=256), load_image(big)
+        assert drafted.width * 4 == full.width
+        with torch.no_grad():
+            grids = encoder(torch.stack([transform(drafted), transform(full)]))  # (2, L, D)
+        assert torch.nn.functional.cosine_similarity(grids[0], grids[1], dim=-1).min() > 0.9
+
+
+def test_manifest_holds_what_the_runtime_needs(exported):
+    _, report = exported
+    manifest = json.loads((report.folder / "manifest.json").read_text())
+    assert manifest["encoder"]["grid"] == [4, 4] and manifest["vocabulary"][:4] == ["<pad>", "<start>", "<end>", "<unk>"]
+    assert manifest["decode"] == dataclasses.asdict(DecodeConfig(beam_size=3, max_length=8))
