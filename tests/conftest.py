@@ -1,10 +1,17 @@
 """Shared test setup: every test starts from the same random state, and caches go to a temporary
-folder, never to the user's ~/.cache/captioner."""
+folder, never to the user's ~/.cache/captioner. Under pytest-xdist (`make test` runs two workers,
+one file per worker at a time) each worker gets its share of the CPU's threads, subprocesses too."""
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads
+    torch.set_num_threads(int(_threads))
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +25,9 @@ def seed_and_cache(monkeypatch, session_cache) -> None:
     np.random.seed(0)
     torch.manual_seed(0)
     monkeypatch.setenv("CAPTIONER_CACHE", str(session_cache))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The demo first: it is the longest test by far, so with two workers the other one runs the
+    rest of the suite beside it instead of after it."""
+    items.sort(key=lambda item: "test_demo.py" not in item.nodeid)

@@ -179,3 +179,23 @@ def test_manifest_holds_what_the_runtime_needs(exported):
     manifest = json.loads((report.folder / "manifest.json").read_text())
     assert manifest["encoder"]["grid"] == [4, 4] and manifest["vocabulary"][:4] == ["<pad>", "<start>", "<end>", "<unk>"]
     assert manifest["decode"] == dataclasses.asdict(DecodeConfig(beam_size=3, max_length=8))
+
+
+def test_the_feature_cache_filled_by_onnx_runtime_matches_torch(tmp_path):
+    from captioner.data.cache_build import build_cache
+    from captioner.data.records import Record
+    from captioner.deploy.encoder import OnnxGridEncoder, cache_encoder
+    from captioner.model.encoder import build_encoder
+
+    encoder = build_encoder(EncoderConfig(name="random", image_size=64))
+    assert cache_encoder(encoder, "cpu", "auto") is encoder  # the tiny test CNN stays in torch
+    onnx_encoder = cache_encoder(encoder, "cpu", "onnx")
+    assert isinstance(onnx_encoder, OnnxGridEncoder) and onnx_encoder.cache_key() == encoder.cache_key()
+    records = []
+    for i, image in enumerate(_images(5)):
+        image.save(tmp_path / f"{i}.png")
+        records.append(Record(tmp_path / f"{i}.png", ["a caption"], "train"))
+    by_torch = build_cache(records, encoder, tmp_path / "torch").cache
+    by_onnx = build_cache(records, onnx_encoder, tmp_path / "onnx").cache
+    for r in records:
+        np.testing.assert_allclose(np.asarray(by_onnx.get(r.image)), np.asarray(by_torch.get(r.image)), atol=1e-4)

@@ -58,7 +58,7 @@ def test_a_few_scst_epochs_raise_the_reward_of_the_sampled_captions(start, tmp_p
     config, ce = start
     result = train(run_config(config, [*SCST, f"train.init={ce}"]), tmp_path / "scst", "cpu")
     lines = [json.loads(ln) for ln in (tmp_path / "scst" / "metrics.jsonl").read_text().splitlines()]
-    assert all("reward" in ln for ln in lines) and result.steps == 4 * 20  # 80 images, 4 (20 captions) per step
+    assert all("reward" in ln and 0 < ln["reward_share"] < 1 for ln in lines) and result.steps == 4 * 20  # 80 images, 4 (20 captions) per step
     before, after = _mean_sample_reward(ce, config), _mean_sample_reward(result.last, config)
     print(f"mean reward of sampled captions: {before:.3f} -> {after:.3f}")
     assert after > before + 0.1  # measured: 0.671 -> 0.895

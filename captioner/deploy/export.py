@@ -72,7 +72,8 @@ class ExportReport:
     differences: dict[str, float]
 
 
-def _export(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str], outputs: list[str], path: Path) -> None:
+def export_graph(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str], outputs: list[str], path: Path) -> None:
+    """`module(*inputs)` as one ONNX file at `path` (no external data), every input's axis 0 dynamic."""
     batch = torch.export.Dim("batch", min=1, max=4096)
     shapes = {name: {0: batch} for name in names}
     with warnings.catch_warnings(), torch.no_grad():
@@ -89,7 +90,7 @@ def _arg_names(module: nn.Module) -> list[str]:
     return [p for p in inspect.signature(module.forward).parameters]
 
 
-def _compare(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], names: list[str]) -> float:
+def compare_graph(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], names: list[str]) -> float:
     """Check the graph (ONNX checker) and run it next to torch: the largest difference of any output."""
     import onnx
     import onnxruntime as ort
@@ -152,8 +153,8 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> E
     for name, (module, inputs, outputs) in graphs.items():
         path = out / f"{name}.onnx"
         log.info("exporting %s", path)
-        _export(module, traced[name], inputs, outputs, path)
-        differences[name] = max(_compare(path, module, check[name], inputs) for check in checks)
+        export_graph(module, traced[name], inputs, outputs, path)
+        differences[name] = max(compare_graph(path, module, check[name], inputs) for check in checks)
         if differences[name] > TOLERANCE:
             raise FormatError(f"{path}: differs from torch by {differences[name]:.2e} (more than {TOLERANCE:g})")
         files.append(path)

@@ -234,13 +234,17 @@ def validate(run: Run) -> bool:
         "loss": loss_sum / max(n, 1), "xent": xent_sum / max(n, 1),
         **({"coverage": coverage_sum / max(n, 1)} if tc.coverage_weight else {}),
         **({"entropy": entropy_sum / max(n, 1)} if tc.entropy_weight else {}),
-        **({"reward": reward_sum / max(n, 1)} if run.scst is not None else {}),
+        **({"reward": reward_sum / max(n, 1),  # and the share of step time spent computing rewards
+            "reward_share": round(run.scst.reward_seconds / max(seconds * run.dist.world_size, 1e-9), 4)}
+           if run.scst is not None else {}),
         **{f"val_{k}": v for k, v in metrics.items()},
         "lr": run.optimizer.param_groups[0]["lr"], "seconds": round(seconds, 2), "val_seconds": round(val_seconds, 2),
         "captions_per_s": round(n / max(seconds, 1e-9), 1), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
     }
     run.history.append(line)
     run.meter.reset()
+    if run.scst is not None:
+        run.scst.reward_seconds = 0.0
     if run.dist.is_main:
         append_metrics(run, line)
         star = " *" if st.best_step == st.step else ""

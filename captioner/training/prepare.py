@@ -17,6 +17,7 @@ from captioner.data.cache_build import build_cache
 from captioner.data.records import SPLITS, SourceError
 from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
+from captioner.deploy.encoder import cache_encoder
 from captioner.errors import CaptionerError
 from captioner.files import writable_dir
 from captioner.model.encoder import build_encoder
@@ -63,7 +64,8 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, d
         summary.notes.append("feature cache not used: the encoder is fine-tuned (model.encoder.trainable_stages > 0)")
     else:
         encoder = build_encoder(encoder_cfg, pretrained=True)
-        result = build_cache(records, encoder, cache_dir_of(data), batch_size=batch_size, device=device,
+        result = build_cache(records, cache_encoder(encoder, device, data.cache_runtime), cache_dir_of(data),
+                             batch_size=batch_size, device=device,
                              num_workers=data.num_workers, progress=progress)
         bad = {p for p, _ in result.skipped}
         usable = [r for r in records if r.image not in bad]

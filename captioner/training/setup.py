@@ -27,6 +27,8 @@ from captioner.data.records import Record, fingerprint, split_records
 from captioner.data.sources import load_records
 from captioner.data.vocab import Vocabulary, build_vocabulary
 from captioner.decoding.metrics import java_available
+from captioner.deploy import require_onnx
+from captioner.deploy.encoder import cache_encoder
 from captioner.errors import CaptionerError
 from captioner.files import remove_stale_temporaries, writable_dir
 from captioner.model.caption_model import CaptionModel, build_model
@@ -78,6 +80,8 @@ def check_environment(cfg: Config, device: torch.device) -> torch.dtype | None:
     if cfg.train.val_metric == "METEOR" and not java_available():
         raise ConfigError("config key 'train.val_metric': 'METEOR' needs Java (`java` is not on PATH); "
                           "install a JRE or choose CIDEr, Bleu_4, ROUGE_L")
+    if cfg.data.cache_runtime == "onnx":
+        require_onnx()
     return autocast_dtype(cfg.train.amp, device)
 
 
@@ -109,7 +113,8 @@ def build_datasets(data: DataConfig, seed: int, batch_size: int, encoder: Encode
     rank 0 fills the feature cache and every rank reads grids from it; otherwise images."""
     if encoder.frozen and data.use_cache:
         with main_first():  # rank 0 fills the cache; the others then find every image cached
-            cache = build_cache(train_records + val_records, encoder, cache_dir_of(data), batch_size=batch_size,
+            cache = build_cache(train_records + val_records, cache_encoder(encoder, device, data.cache_runtime),
+                                cache_dir_of(data), batch_size=batch_size,
                                 device=device, num_workers=data.num_workers,
                                 progress=dist.is_main and sys.stderr.isatty()).cache
         return (CaptionDataset(train_records, vocab, data.max_length, cache=cache),
