@@ -68,18 +68,21 @@ def main() -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients")
     p.add_argument("--max-batch", default="16")
     p.add_argument("--max-delay-ms", default="5")
+    p.add_argument("--runtime", default="torch", choices=["torch", "onnx"])
     args = p.parse_args()
 
     files = sorted(Path(args.images).glob("*.jpg"))[:64]
     if not files:
         p.error(f"{args.images}: no .jpg files")
     images = [f.read_bytes() for f in files]
-    server = Server(Path(args.checkpoint), "--max-batch", args.max_batch, "--max-delay-ms", args.max_delay_ms)
+    server = Server(Path(args.checkpoint), "--max-batch", args.max_batch, "--max-delay-ms", args.max_delay_ms,
+                    "--runtime", args.runtime, timeout=300)
     try:
         run_level(server.url, images, 2, 20)  # warm up: first-call allocations, thread pools
         rows = [run_level(server.url, images, n, args.requests) for n in args.levels]
     finally:
         server.stop()
+    print(f"{args.runtime}, max batch {args.max_batch}, max delay {args.max_delay_ms} ms")
     print(f"{'clients':>7} {'requests':>8} {'p50 ms':>8} {'p95 ms':>8} {'images/s':>9} {'failed':>6}")
     for r in rows:
         print(f"{r['clients']:>7} {r['requests']:>8} {r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['images_s']:>9.2f} "

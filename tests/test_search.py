@@ -211,3 +211,18 @@ def test_n_best_are_distinct_ranked_and_start_with_the_best(end_bias):
         assert end_bias > 0 or not hyps[0].finished
     with pytest.raises(ValueError, match="n_best 5"):
         decode_n_best(dec, features, cfg, VOCAB, 5)
+
+
+def test_no_caption_ends_right_after_a_function_word():
+    """`decode.no_dangling`: with <end> likely everywhere and "a" among the words, no caption ends
+    on "a"; turned off, some do."""
+    words = ["<pad>", "<start>", "<end>", "<unk>", "a", *(f"w{i}" for i in range(V - 5))]
+    vocab = Vocabulary(words)
+    torch.manual_seed(3)
+    dec, features = _decoder(end_bias=3.0), torch.randn(B * 4, L, D)
+    with torch.no_grad():
+        dec.readout.bias[4] += 4.0  # "a" is likely too
+    on = decode(dec, features, DecodeConfig(beam_size=3, max_length=8), vocab)
+    off = decode(dec, features, DecodeConfig(beam_size=3, max_length=8, no_dangling=False), vocab)
+    assert not any(h.finished and h.tokens[-1] == 4 for h in on)
+    assert any(h.finished and h.tokens[-1] == 4 for h in off)

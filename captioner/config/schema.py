@@ -188,6 +188,7 @@ class DecodeConfig(_Section):
     max_length: int = 20
     length_penalty: float = 1.0  # rank finished captions by logprob / length ** length_penalty
     no_repeat_ngram: int = 0  # 0 = off
+    no_dangling: bool = True  # <end> never right after a function word: no "a man riding a"
 
 
 @dataclass(frozen=True)

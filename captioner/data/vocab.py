@@ -21,6 +21,14 @@ from captioner.files import atomic_write_text
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
 
+# Words a caption should not end on: "a man riding a" is what a model breaks into when it games
+# CIDEr (self-critical training). Decoding never ends right after one (`decode.no_dangling`), and
+# evaluation counts the captions that do (`captioner.decoding.metrics.diversity`).
+FUNCTION_WORDS = frozenset("""
+    a an the this that these those some of in on at to into onto with without from by for near under over above
+    below behind beside between through across around up down and or but while as is are was were be being his
+    her their its my your our""".split())
+
 
 class VocabularyError(CaptionerError):
     """A vocabulary list or file that cannot be used (one-line message)."""

@@ -13,6 +13,7 @@ Shapes: B batch, L = H'·W' regions, D feature width, T words.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -39,6 +40,16 @@ log = logging.getLogger(__name__)
 
 ImageInput = PIL.Image.Image | str | Path
 LOADER_THREADS = 2  # threads decoding and preprocessing images ahead of the model
+
+
+def _done(fn: Any, *args: Any) -> Future:
+    """`fn(*args)` run here, as a finished Future (its exception kept, as a pool's would be)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)
+    return future
 
 
 class _Loaded(NamedTuple):
@@ -210,16 +221,22 @@ class Captioner:
             except ImageError as e:
                 return e
 
+        items = iter(images)
+        first = next(items, None)
+        second = next(items, None)
+        if first is not None and second is None:  # one image: read it here, no threads to start
+            yield first, result(_done(self._read, first))
+            return
         with ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="captioner-load") as pool:
             pending: deque[tuple[ImageInput, Future]] = deque()
-            for image in images:
+            for image in itertools.chain([first, second], items) if first is not None else ():
                 pending.append((image, pool.submit(self._read, image)))
                 if len(pending) > ahead:
-                    first, future = pending.popleft()
-                    yield first, result(future)
+                    head, future = pending.popleft()
+                    yield head, result(future)
             while pending:
-                first, future = pending.popleft()
-                yield first, result(future)
+                head, future = pending.popleft()
+                yield head, result(future)
 
     def preprocess(self, image: PIL.Image.Image) -> torch.Tensor:
         """An RGB image -> (3, S, S) normalised pixels on the CPU, the encoder's eval preprocessing

@@ -12,7 +12,7 @@ import logging
 import shutil
 from collections.abc import Hashable, Mapping, Sequence
 
-from captioner.data.vocab import tokenize
+from captioner.data.vocab import FUNCTION_WORDS, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +93,6 @@ def _meteor(gts: dict[int, list[str]], res: dict[int, list[str]]) -> float:
         return float(scorer.compute_score(gts, res)[0])
     finally:
         del scorer
-
-
-# Words a caption should not end on: "a man riding a" is what a model breaks into when it games CIDEr.
-FUNCTION_WORDS = frozenset("""
-    a an the this that these those some of in on at to into onto with without from by for near under over above
-    below behind beside between through across around up down and or but while as is are was were be being his
-    her their its my your our""".split())
 
 
 def diversity(captions: Sequence[str]) -> dict[str, float]:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from captioner.config import DecodeConfig
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
 from captioner.model.decoder import AttentionDecoder
 
 NEG_INF = float("-inf")
@@ -116,6 +116,7 @@ def beam_search(
     no_repeat_ngram: int = 0,
     min_length: int = 0,
     n_best: int = 1,
+    no_end_after: Sequence[int] = (),
 ) -> list[list[Hypothesis]]:
     """Beam search over a batch of images; the best `n_best` hypotheses per image, best first.
 
@@ -130,6 +131,7 @@ def beam_search(
         no_repeat_ngram: block repeated n-grams of this size (0 = off).
         min_length: <end> is not allowed before this many words.
         n_best: hypotheses returned per image (at most beam_size).
+        no_end_after: ids after which <end> is not allowed (function words: no "a man riding a").
     Returns:
         B lists, in input order, each the image's finished hypotheses by score (the first found on
         ties), at most `n_best`; an image none of whose beams ended gets its best live beams instead.
@@ -150,6 +152,7 @@ def beam_search(
     history = torch.empty(B * K, 0, L, dtype=torch.float32, device=device)  # (R, t, L) float32 maps
     ids = list(range(B))  # the input index of each image still searched; R = len(ids)·K rows
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
+    no_end_ids = torch.tensor(list(no_end_after), dtype=torch.long, device=device)  # (F,)
     for t in range(max_length + 1):
         n, R = len(ids), len(ids) * K
         out = decoder.step(tokens, hidden, memory)  # logits (R, V), alpha (R, L), hidden (R, H)
@@ -157,6 +160,9 @@ def beam_search(
         logp = _log_probs(out.logits, banned_ids, end_id if t < min_length else None)  # (R, V)
         if no_repeat_ngram:
             block_repeated_ngrams(logp, words, no_repeat_ngram)
+        if len(no_end_ids) and t > 0:
+            blocked = torch.isin(words[:, -1], no_end_ids)  # (R,) beams whose last word is a function word
+            logp[:, end_id] = logp[:, end_id].masked_fill(blocked, NEG_INF)
         cand = (scores.view(R, 1) + logp).view(n, K * V)  # (n, K·V)
         top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K): K live beams survive any K <end>s
         top_beam = torch.div(top_idx, V, rounding_mode="floor")  # (n, 2K) beam within the image
@@ -248,9 +254,10 @@ def decode_n_best(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig
                   n_best: int) -> list[list[Hypothesis]]:
     """`decode`, keeping each image's best `n_best` (<= cfg.beam_size) hypotheses, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
+    function_ids = [vocab.id(w) for w in sorted(FUNCTION_WORDS) if w in vocab] if cfg.no_dangling else []
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
                        length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
-                       n_best=n_best)
+                       n_best=n_best, no_end_after=function_ids)
 
 
 @torch.no_grad()

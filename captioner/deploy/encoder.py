@@ -15,12 +15,13 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from captioner.deploy import FormatError, require_onnx
 from captioner.files import cache_home
-from captioner.model.encoder import Encoder
+from captioner.model.encoder import CPU_CHUNK, Encoder
 from captioner.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,12 @@ class OnnxGridEncoder:
         return getattr(self.encoder, name)
 
     def infer(self, images: Tensor) -> Tensor:
-        """(B, 3, S, S) -> (B, L, D) in one call."""
+        """(B, 3, S, S) -> (B, L, D), CPU_CHUNK images a call."""
         if self.session is None:
             self.session = _exported_encoder(self.encoder)
-        (grid,) = self.session.run(None, {"pixels": images.float().contiguous().numpy()})
-        return torch.from_numpy(grid)
+        x = images.float().contiguous().numpy()
+        return torch.from_numpy(np.concatenate([self.session.run(None, {"pixels": x[i : i + CPU_CHUNK]})[0]
+                                                for i in range(0, len(x), CPU_CHUNK)]))
 
     def to(self, device: torch.device | str) -> OnnxGridEncoder:
         if torch.device(device).type != "cpu":
