@@ -17,6 +17,6 @@ demo: venv
 	$(VENV)/bin/captioner demo
 
 test: venv
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal
 
 .PHONY: venv demo test

@@ -1,6 +1,6 @@
 """Shared test setup: every test starts from the same random state, and caches go to a temporary
-folder, never to the user's ~/.cache/captioner. Under pytest-xdist (`make test` runs two workers,
-one file per worker at a time) each worker gets its share of the CPU's threads, subprocesses too."""
+folder, never to the user's ~/.cache/captioner. Under pytest-xdist (`make test` runs two workers)
+each worker gets its share of the CPU's threads, subprocesses too."""
 import os
 import random
 
@@ -27,17 +27,8 @@ def seed_and_cache(monkeypatch, session_cache) -> None:
     monkeypatch.setenv("CAPTIONER_CACHE", str(session_cache))
 
 
-# The demo first, then quick files: with two workers (`make test`) xdist hands each worker a first
-# batch of files (about a quarter of them, split between the workers); the demo's worker runs the
-# rest of its batch only after the demo, so that batch should be cheap while the other worker takes
-# everything else.
-FIRST = ("test_demo.py", "test_layers.py", "test_attention.py", "test_vocab.py", "test_loss.py", "test_decoder.py",
-         "test_images.py", "test_sources.py", "test_order.py")
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
-        return FIRST.index(name) if name in FIRST else len(FIRST)
-
-    items.sort(key=rank)
+    """The demo first: it is the longest test by far, and with two workers (`make test`, xdist's
+    worksteal: each worker starts on its half of the list and takes work from the other when idle)
+    the other worker then runs the rest of the suite beside it."""
+    items.sort(key=lambda item: "test_demo.py" not in item.nodeid)

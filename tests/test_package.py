@@ -3,6 +3,7 @@ carries every shipped config."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,12 @@ def installed(tmp_path_factory) -> Path:
     """The project built into a wheel and installed (without dependencies: they are this venv's)
     into a folder of its own."""
     tmp = tmp_path_factory.mktemp("install")
+    source = tmp / "source"  # a copy: the build writes build/ and *.egg-info beside the sources
+    shutil.copytree(ROOT / "captioner", source / "captioner", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "wheels"), str(ROOT)],
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "wheels"), str(source)],
                    check=True, capture_output=True)
     (wheel,) = (tmp / "wheels").glob("captioner-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp / "site"), str(wheel)],
