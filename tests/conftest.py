@@ -27,6 +27,18 @@ def seed_and_cache(monkeypatch, session_cache) -> None:
     monkeypatch.setenv("CAPTIONER_CACHE", str(session_cache))
 
 
+@pytest.fixture
+def single_process(monkeypatch):
+    """Training outside torchrun (no RANK, WORLD_SIZE, LOCAL_RANK) on one CPU thread: the machine is
+    shared, and tiny ops do not need more."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The demo first: it is the longest test by far, and with two workers (`make test`, xdist's
     worksteal: each worker starts on its half of the list and takes work from the other when idle)

@@ -34,15 +34,10 @@ decode: {beam_size: 2, max_length: 12}
 
 
 @pytest.fixture
-def tiny(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def tiny(tmp_path, single_process):
     path = tmp_path / "tiny.yaml"
     path.write_text(TINY)
-    yield path
-    torch.set_num_threads(threads)
+    return path
 
 
 def _one_line_error(capsys, *words: str) -> str:

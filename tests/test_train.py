@@ -51,17 +51,12 @@ def shapes_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def tiny(tmp_path, shapes_cache, monkeypatch):
-    """A tiny config file; one CPU thread (the machine is shared, and tiny ops do not need more)."""
+def tiny(tmp_path, shapes_cache, monkeypatch, single_process):
+    """A tiny config file, trained in one process on one CPU thread."""
     monkeypatch.setenv("CAPTIONER_CACHE", str(shapes_cache))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     path = tmp_path / "tiny.yaml"
     path.write_text(TINY)
-    yield path
-    torch.set_num_threads(threads)
+    return path
 
 
 def _weights(path):

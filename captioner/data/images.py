@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -56,9 +58,9 @@ def load_image(path: str | Path, draft: int | None = None) -> Image.Image:
     mode: less to decode and less to resize); `full_size(image)` still gives the photo's size.
     """
     path = Path(path)
-    try:
-        if path.is_dir():
-            raise ImageError(f"{path}: is a folder, not an image file")
+    if path.is_dir():
+        raise ImageError(f"{path}: is a folder, not an image file")
+    with _reading(path):
         if path.stat().st_size == 0:
             raise ImageError(f"{path}: empty file")
         with Image.open(path) as im:
@@ -69,19 +71,6 @@ def load_image(path: str | Path, draft: int | None = None) -> Image.Image:
             im = to_rgb(_exif_transpose(im, path))
             im.info[FULL_SIZE] = size
             return im
-    except ImageError:
-        raise
-    except FileNotFoundError:
-        raise ImageError(f"{path}: file not found") from None
-    except PermissionError:
-        raise ImageError(f"{path}: permission denied") from None
-    except UnidentifiedImageError:
-        raise NotAnImage(f"{path}: not an image (format not recognised)") from None
-    except Image.DecompressionBombError as e:
-        raise ImageTooLarge(f"{path}: refused as a possible decompression bomb ({_reason(e)})") from None
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
-        # Pillow raises these for truncated or corrupt data ("image file is truncated", ...)
-        raise ImageError(f"{path}: truncated or corrupt image ({_reason(e)})") from None
 
 
 def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_000) -> Image.Image:
@@ -90,19 +79,30 @@ def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_00
     anything is decoded) or ImageError (truncated, corrupt), each naming `name`."""
     if not data:
         raise NotAnImage(f"{name}: empty upload")
+    with _reading(name), Image.open(io.BytesIO(data)) as im:
+        if im.width * im.height > max_pixels:
+            raise ImageTooLarge(f"{name}: {im.width}x{im.height} pixels is more than the {max_pixels:,} allowed")
+        im.load()
+        return to_rgb(_exif_transpose(im, name))
+
+
+@contextmanager
+def _reading(name: Path | str) -> Iterator[None]:
+    """Pillow's and the file system's errors while reading an image, as one-line ImageErrors naming it."""
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.width * im.height > max_pixels:
-                raise ImageTooLarge(f"{name}: {im.width}x{im.height} pixels is more than the {max_pixels:,} allowed")
-            im.load()
-            return to_rgb(_exif_transpose(im, name))
+        yield
     except ImageError:
         raise
+    except FileNotFoundError:
+        raise ImageError(f"{name}: file not found") from None
+    except PermissionError:
+        raise ImageError(f"{name}: permission denied") from None
     except UnidentifiedImageError:
         raise NotAnImage(f"{name}: not an image (format not recognised)") from None
     except Image.DecompressionBombError as e:
         raise ImageTooLarge(f"{name}: refused as a possible decompression bomb ({_reason(e)})") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
+        # Pillow raises these for truncated or corrupt data ("image file is truncated", ...)
         raise ImageError(f"{name}: truncated or corrupt image ({_reason(e)})") from None
 
 
@@ -110,12 +110,9 @@ def prepare_image(image: Image.Image, name: str = "<image>") -> Image.Image:
     """An image given in memory made exactly what `load_image` makes of a file: decoded, EXIF
     orientation applied, any mode converted to 8-bit RGB. The caller's image is left as it was.
     Raises ImageError (naming `name`) when its data cannot be decoded."""
-    try:
+    with _reading(name):
         image.load()
-        oriented = _exif_transpose(image.copy(), name)
-        return to_rgb(oriented)
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
-        raise ImageError(f"{name}: truncated or corrupt image ({_reason(e)})") from None
+        return to_rgb(_exif_transpose(image.copy(), name))
 
 
 def _upright(im: Image.Image) -> tuple[int, int]:

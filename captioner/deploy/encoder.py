@@ -15,13 +15,13 @@ import logging
 import os
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from captioner.deploy import FormatError, require_onnx
+from captioner.deploy.runtime import encode_in_chunks, ort_session
 from captioner.files import cache_home
-from captioner.model.encoder import CPU_CHUNK, Encoder
+from captioner.model.encoder import Encoder
 from captioner.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,7 @@ class OnnxGridEncoder:
         """(B, 3, S, S) -> (B, L, D), CPU_CHUNK images a call."""
         if self.session is None:
             self.session = _exported_encoder(self.encoder)
-        x = images.float().contiguous().numpy()
-        return torch.from_numpy(np.concatenate([self.session.run(None, {"pixels": x[i : i + CPU_CHUNK]})[0]
-                                                for i in range(0, len(x), CPU_CHUNK)]))
+        return encode_in_chunks(self.session, images)
 
     def to(self, device: torch.device | str) -> OnnxGridEncoder:
         if torch.device(device).type != "cpu":
@@ -59,14 +57,13 @@ class OnnxGridEncoder:
 
 
 def _exported_encoder(encoder: Encoder) -> Any:
-    from captioner.deploy.export import _EncoderGraph, compare_graph, export_graph
-    from captioner.deploy.runtime import _session
+    from captioner.deploy.export import EncoderGraph, compare_graph, export_graph
 
     folder = cache_home() / "onnx" / f"encoder-{hashlib.sha256(encoder.cache_key().encode()).hexdigest()[:16]}"
     path = folder / "encoder.onnx"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        module = _EncoderGraph(type("Model", (), {"encoder": encoder})())  # type: ignore[arg-type]
+        module = EncoderGraph(encoder)
         pixels = torch.randn(2, 3, encoder.image_size, encoder.image_size, generator=torch.Generator().manual_seed(0))
         log.info("%s: exporting the encoder to ONNX for the cache (once) in %s", encoder.name, folder)
         partial = folder / f".encoder.{os.getpid()}.onnx"
@@ -77,7 +74,7 @@ def _exported_encoder(encoder: Encoder) -> Any:
             raise FormatError(f"{encoder.name}: the ONNX encoder differs from torch by {difference:.1e}; use "
                               f"data.cache_runtime=torch")
         os.replace(partial, path)
-    return _session(path, torch.get_num_threads())
+    return ort_session(path, torch.get_num_threads())
 
 
 def cache_encoder(encoder: Encoder, device: torch.device | str, runtime: str = "auto") -> Encoder | OnnxGridEncoder:

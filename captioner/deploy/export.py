@@ -28,25 +28,26 @@ from captioner.deploy import MANIFEST, OPSET, FormatError, require_onnx
 from captioner.files import atomic_write_text, writable_dir
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import load_checkpoint, restore_model
-from captioner.model.decoder import Memory
+from captioner.model.decoder import AttentionDecoder, Memory
+from captioner.model.encoder import Encoder
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # largest difference from torch accepted, on any output
 
 
-class _EncoderGraph(nn.Module):
-    def __init__(self, model: CaptionModel) -> None:
+class EncoderGraph(nn.Module):
+    def __init__(self, encoder: Encoder) -> None:
         super().__init__()
-        self.encoder = model.encoder
+        self.encoder = encoder
 
     def forward(self, pixels: Tensor) -> Tensor:
         return self.encoder(pixels)  # (B, L, D_enc)
 
 
 class _MemoryGraph(nn.Module):
-    def __init__(self, model: CaptionModel) -> None:
+    def __init__(self, decoder: AttentionDecoder) -> None:
         super().__init__()
-        self.decoder = model.decoder
+        self.decoder = decoder
 
     def forward(self, grid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         memory = self.decoder.memory(grid)
@@ -54,9 +55,9 @@ class _MemoryGraph(nn.Module):
 
 
 class _StepGraph(nn.Module):
-    def __init__(self, model: CaptionModel) -> None:
+    def __init__(self, decoder: AttentionDecoder) -> None:
         super().__init__()
-        self.decoder = model.decoder
+        self.decoder = decoder
 
     def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         out = self.decoder.step(tokens, state, Memory(features, keys))
@@ -75,19 +76,12 @@ class ExportReport:
 def export_graph(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str], outputs: list[str], path: Path) -> None:
     """`module(*inputs)` as one ONNX file at `path` (no external data), every input's axis 0 dynamic."""
     batch = torch.export.Dim("batch", min=1, max=4096)
-    shapes = {name: {0: batch} for name in names}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's notes on its own internals
         program = torch.onnx.export(module.eval(), inputs, input_names=names, output_names=outputs,
-                                    dynamic_shapes=dict(zip(_arg_names(module), shapes.values())), dynamo=True,
+                                    dynamic_shapes=tuple({0: batch} for _ in inputs), dynamo=True,
                                     opset_version=OPSET, verbose=False)
     program.save(str(path), external_data=False)
-
-
-def _arg_names(module: nn.Module) -> list[str]:
-    import inspect
-
-    return [p for p in inspect.signature(module.forward).parameters]
 
 
 def compare_graph(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], names: list[str]) -> float:
@@ -140,14 +134,14 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> E
         with torch.no_grad():
             grid = model.encoder(pixels)
             memory = dec.memory(grid)
-            state = dec.init_hidden(memory) + 0.1 * torch.randn(batch, dec.init_hidden(memory).size(1),
-                                                                 generator=generator)
+            state = dec.init_hidden(memory)
+            state = state + 0.1 * torch.randn(state.shape, generator=generator)  # not only the start state
         tokens = torch.randint(4, len(ckpt.vocab), (batch,), generator=generator)
         return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, memory.features, memory.keys)}
 
-    graphs = {"encoder": (_EncoderGraph(model), ["pixels"], ["grid"]),
-              "memory": (_MemoryGraph(model), ["grid"], ["features", "keys", "state"]),
-              "step": (_StepGraph(model), ["tokens", "state", "features", "keys"], ["logits", "alpha", "new_state"])}
+    graphs = {"encoder": (EncoderGraph(model.encoder), ["pixels"], ["grid"]),
+              "memory": (_MemoryGraph(dec), ["grid"], ["features", "keys", "state"]),
+              "step": (_StepGraph(dec), ["tokens", "state", "features", "keys"], ["logits", "alpha", "new_state"])}
     traced, checks = examples(2), [examples(1), examples(5)]
     files, differences = [], {}
     for name, (module, inputs, outputs) in graphs.items():

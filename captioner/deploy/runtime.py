@@ -34,7 +34,7 @@ from captioner.model.encoder import CPU_CHUNK, Cells, eval_transform
 log = logging.getLogger(__name__)
 
 
-def _session(path: Path, threads: int) -> Any:
+def ort_session(path: Path, threads: int) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -46,6 +46,14 @@ def _session(path: Path, threads: int) -> Any:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime's errors for a missing or damaged graph
         raise FormatError(f"{path}: not a usable ONNX graph ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def encode_in_chunks(session: Any, pixels: Tensor) -> Tensor:
+    """An encoder graph's (B, 3, S, S) -> (B, L, D_enc), CPU_CHUNK images a call (as `Encoder.infer`:
+    the activations of one or two images stay in cache; 62 against 42-59 images/s in one call of 32)."""
+    x = pixels.float().contiguous().numpy()
+    return torch.from_numpy(np.concatenate([session.run(None, {"pixels": x[i : i + CPU_CHUNK]})[0]
+                                            for i in range(0, len(x), CPU_CHUNK)]))
 
 
 class OnnxEncoder:
@@ -63,11 +71,8 @@ class OnnxEncoder:
         return self._transform
 
     def infer(self, pixels: Tensor) -> Tensor:
-        """(B, 3, S, S) -> (B, L, D_enc), CPU_CHUNK images a call (as `Encoder.infer`: the activations
-        of one or two images stay in cache; 62 against 42-59 images/s in one call of 32)."""
-        x = pixels.float().contiguous().numpy()
-        return torch.from_numpy(np.concatenate([self.session.run(None, {"pixels": x[i : i + CPU_CHUNK]})[0]
-                                                for i in range(0, len(x), CPU_CHUNK)]))
+        """(B, 3, S, S) -> (B, L, D_enc)."""
+        return encode_in_chunks(self.session, pixels)
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def onnx_captioner(source: str | Path, decode: DecodeConfig | None = None, threa
     # The encoder's convolutions spread over `threads`; a decoder step is a few small matrix products,
     # which a second thread only slows down (its sync costs more than the work: 84 vs 19 images/s of
     # beam search at batch 1).
-    sessions = {g: _session(folder / f"{g}.onnx", threads if g == "encoder" else 1) for g in GRAPHS}
+    sessions = {g: ort_session(folder / f"{g}.onnx", threads if g == "encoder" else 1) for g in GRAPHS}
     model = OnnxModel(OnnxEncoder(sessions["encoder"], manifest["encoder"]),
                       OnnxDecoder(sessions["memory"], sessions["step"]))
     return Captioner(model, Vocabulary.from_list(manifest["vocabulary"]),  # type: ignore[arg-type]
