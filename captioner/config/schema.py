@@ -144,6 +144,7 @@ class TrainConfig(_Section):
     scst_samples: int = 5  # captions sampled per image; each is judged against the mean reward of the others
     scst_baseline: Literal["mean", "greedy"] = "mean"  # or the reward of the image's greedy caption
     scst_xent_weight: float = 0.0  # mix in this much cross-entropy on the references
+    scst_dropout: bool = False  # the log-probabilities come from a pass with the decoder's dropout on
     epochs: int = 20
     batch_size: int = 64
     optimizer: Literal["adam", "adamw"] = "adamw"

@@ -70,13 +70,15 @@ def _hypothesis(tokens: list[int], logprob: float, alphas: Tensor, finished: boo
     return Hypothesis(tokens, logprob, score, alphas, finished)
 
 
-def _log_probs(logits: Tensor, banned_ids: Sequence[int], also_banned: int | None = None) -> Tensor:
-    """(R, V) logits -> (R, V) float32 log-probs with the banned ids (and `also_banned`) at -inf."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
-    banned = [*banned_ids, *(() if also_banned is None else (also_banned,))]
-    if banned:
-        logp[:, banned] = NEG_INF
-    return logp
+def _log_probs(logits: Tensor, banned: Tensor) -> Tensor:
+    """(R, V) logits -> (R, V) float32 log-probs with the `banned` ids (int64 (N,)) at -inf."""
+    return torch.log_softmax(logits.float(), dim=-1).index_fill_(1, banned, NEG_INF)  # (R, V)
+
+
+def _banned(banned_ids: Sequence[int], end_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The ids never emitted, and those plus <end> (before min_length), as int64 tensors."""
+    return (torch.tensor(list(banned_ids), dtype=torch.long, device=device),
+            torch.tensor([*banned_ids, end_id], dtype=torch.long, device=device))
 
 
 def block_repeated_ngrams(logp: Tensor, words: Tensor, n: int) -> Tensor:
@@ -152,17 +154,21 @@ def beam_search(
     history = torch.empty(B * K, 0, L, dtype=torch.float32, device=device)  # (R, t, L) float32 maps
     ids = list(range(B))  # the input index of each image still searched; R = len(ids)·K rows
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
-    no_end_ids = torch.tensor(list(no_end_after), dtype=torch.long, device=device)  # (F,)
+    banned, banned_with_end = _banned(banned_ids, end_id, device)
+    no_end = None  # (V,) bool: ids after which <end> is not allowed
+    first_rows = torch.arange(B, device=device).unsqueeze(1) * K  # (B, 1) first row of each image
     for t in range(max_length + 1):
         n, R = len(ids), len(ids) * K
         out = decoder.step(tokens, hidden, memory)  # logits (R, V), alpha (R, L), hidden (R, H)
         V = out.logits.size(-1)
-        logp = _log_probs(out.logits, banned_ids, end_id if t < min_length else None)  # (R, V)
+        logp = _log_probs(out.logits, banned_with_end if t < min_length else banned)  # (R, V)
         if no_repeat_ngram:
             block_repeated_ngrams(logp, words, no_repeat_ngram)
-        if len(no_end_ids) and t > 0:
-            blocked = torch.isin(words[:, -1], no_end_ids)  # (R,) beams whose last word is a function word
-            logp[:, end_id] = logp[:, end_id].masked_fill(blocked, NEG_INF)
+        if no_end_after and t > 0:
+            if no_end is None:
+                no_end = torch.zeros(V, dtype=torch.bool, device=device)
+                no_end[list(no_end_after)] = True
+            logp[:, end_id].masked_fill_(no_end[words[:, -1]], NEG_INF)  # beams whose last word is a function word
         cand = (scores.view(R, 1) + logp).view(n, K * V)  # (n, K·V)
         top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K): K live beams survive any K <end>s
         top_beam = torch.div(top_idx, V, rounding_mode="floor")  # (n, 2K) beam within the image
@@ -193,8 +199,7 @@ def beam_search(
         # has one <end>, so 2K candidates hold at least K others.
         keep = torch.sort(is_end.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # (n, K) positions
         scores = top_scores.gather(1, keep)  # (n, K)
-        row_base = torch.arange(n, device=device).unsqueeze(1) * K  # (n, 1) first row of each image
-        src = (row_base + top_beam.gather(1, keep)).view(R)  # (R,) row each new beam comes from
+        src = (first_rows[:n] + top_beam.gather(1, keep)).view(R)  # (R,) row each new beam comes from
         tokens = top_tok.gather(1, keep).view(R)  # (R,)
         hidden = new_hidden.index_select(0, src)  # (R, H)
         words = torch.cat([words.index_select(0, src), tokens.unsqueeze(1)], dim=1)  # (R, t + 1)
@@ -284,10 +289,11 @@ def sample(decoder: AttentionDecoder, features: Tensor, n: int, max_length: int,
     memory = memory.select(rows)  # (R, L, D), (R, L, A)
     token = torch.full((R,), start_id, dtype=torch.long, device=features.device)  # (R,)
     alive = torch.ones(R, dtype=torch.bool, device=features.device)  # (R,) not ended yet
+    banned, banned_with_end = _banned(banned_ids, end_id, features.device)
     drawn = []
     for t in range(max_length):  # a caption still going after max_length words is cut (no <end>)
         out = decoder.step(token, state, memory)  # logits (R, V), hidden (R, ...)
-        logp = _log_probs(out.logits, banned_ids, end_id if t < min_length else None)  # (R, V)
+        logp = _log_probs(out.logits, banned_with_end if t < min_length else banned)  # (R, V)
         token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # (R,)
         token = torch.where(alive, token, torch.full_like(token, pad_id))
         drawn.append(token)

@@ -1,6 +1,8 @@
 """Deploying a model without its training code's costs: ONNX graphs and ONNX Runtime inference.
 
     export.py    `export_onnx(checkpoint, folder)`: encoder, memory and step graphs + manifest, verified
+    step.py      the decoder's memory and step rewritten for inference graphs (token tables)
+    encoder.py   the feature cache built with ONNX Runtime
     runtime.py   `onnx_captioner(folder)`: a `Captioner` whose encoder and decoder steps run in ONNX Runtime
 
 `onnx` and `onnxruntime` are an optional extra: `pip install captioner[onnx]`.
@@ -10,6 +12,7 @@ from __future__ import annotations
 from captioner.errors import CaptionerError
 
 MANIFEST = "manifest.json"
+EXPORT_VERSION = 2  # 2: memory/step from `deploy.step` (keys doubled, token tables)
 OPSET = 18
 GRAPHS = ("encoder", "memory", "step")
 

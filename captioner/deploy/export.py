@@ -6,6 +6,9 @@
                    -> logits (R, V), alpha (R, L), state (R, S_h)                      one word
     manifest.json  vocabulary, decode defaults, grid and cell geometry, preprocessing, versions
 
+memory and step are the decoder rewritten for inference (`captioner.deploy.step`: token tables, keys
+doubled; their "keys" are 2·W1·features); step.onnx is compared with the training decoder's own step.
+
 Every batch axis is dynamic. The project's beam search drives memory and step exactly as it drives
 the torch decoder (`captioner.deploy.runtime`). Each graph is checked with the ONNX checker and
 compared with torch on inputs of two batch sizes before the export counts as done.
@@ -24,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from captioner.deploy import MANIFEST, OPSET, FormatError, require_onnx
+from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, FormatError, require_onnx
+from captioner.deploy.step import InferenceMemory, InferenceStep
 from captioner.files import atomic_write_text, writable_dir
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import load_checkpoint, restore_model
@@ -44,23 +48,15 @@ class EncoderGraph(nn.Module):
         return self.encoder(pixels)  # (B, L, D_enc)
 
 
-class _MemoryGraph(nn.Module):
+class _ReferenceStep(nn.Module):
+    """The training decoder's own step, on the graphs' inputs (2·keys): what step.onnx must match."""
+
     def __init__(self, decoder: AttentionDecoder) -> None:
         super().__init__()
         self.decoder = decoder
 
-    def forward(self, grid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        memory = self.decoder.memory(grid)
-        return memory.features, memory.keys, self.decoder.init_hidden(memory)
-
-
-class _StepGraph(nn.Module):
-    def __init__(self, decoder: AttentionDecoder) -> None:
-        super().__init__()
-        self.decoder = decoder
-
-    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        out = self.decoder.step(tokens, state, Memory(features, keys))
+    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out = self.decoder.step(tokens, state, Memory(features, keys2 / 2))
         return out.logits, out.alpha, out.hidden
 
 
@@ -85,7 +81,8 @@ def export_graph(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str]
 
 
 def compare_graph(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], names: list[str]) -> float:
-    """Check the graph (ONNX checker) and run it next to torch: the largest difference of any output."""
+    """Check the graph (ONNX checker) and run it next to `module` (torch): the largest difference of
+    any output."""
     import onnx
     import onnxruntime as ort
 
@@ -105,7 +102,7 @@ def manifest(ckpt: Any, model: CaptionModel, checkpoint: str) -> dict[str, Any]:
 
     enc = model.encoder
     return {
-        "format": "captioner-onnx", "version": 1, "checkpoint": checkpoint,
+        "format": "captioner-onnx", "version": EXPORT_VERSION, "checkpoint": checkpoint,
         "encoder": {"name": enc.name, "image_size": enc.image_size, "interpolation": enc.interpolation.value,
                     "mean": list(enc.mean), "std": list(enc.std), "grid": list(enc.grid),
                     "cells": enc.cells._asdict(), "width": enc.out_dim},
@@ -133,22 +130,24 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> E
         pixels = torch.randn(batch, 3, S, S, generator=generator)
         with torch.no_grad():
             grid = model.encoder(pixels)
-            memory = dec.memory(grid)
-            state = dec.init_hidden(memory)
+            features, keys2, state = memory(grid)
             state = state + 0.1 * torch.randn(state.shape, generator=generator)  # not only the start state
         tokens = torch.randint(4, len(ckpt.vocab), (batch,), generator=generator)
-        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, memory.features, memory.keys)}
+        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys2)}
 
-    graphs = {"encoder": (EncoderGraph(model.encoder), ["pixels"], ["grid"]),
-              "memory": (_MemoryGraph(dec), ["grid"], ["features", "keys", "state"]),
-              "step": (_StepGraph(dec), ["tokens", "state", "features", "keys"], ["logits", "alpha", "new_state"])}
+    memory = InferenceMemory(dec)
+    graphs = {  # name: (what is exported, what it must match, input names, output names)
+        "encoder": (EncoderGraph(model.encoder), EncoderGraph(model.encoder), ["pixels"], ["grid"]),
+        "memory": (memory, memory, ["grid"], ["features", "keys", "state"]),
+        "step": (InferenceStep(dec), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
+                 ["logits", "alpha", "new_state"])}
     traced, checks = examples(2), [examples(1), examples(5)]
     files, differences = [], {}
-    for name, (module, inputs, outputs) in graphs.items():
+    for name, (module, reference, inputs, outputs) in graphs.items():
         path = out / f"{name}.onnx"
         log.info("exporting %s", path)
         export_graph(module, traced[name], inputs, outputs, path)
-        differences[name] = max(compare_graph(path, module, check[name], inputs) for check in checks)
+        differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
         if differences[name] > TOLERANCE:
             raise FormatError(f"{path}: differs from torch by {differences[name]:.2e} (more than {TOLERANCE:g})")
         files.append(path)

@@ -26,7 +26,7 @@ from torchvision.transforms import InterpolationMode
 from captioner.config import DecodeConfig
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
-from captioner.deploy import GRAPHS, MANIFEST, FormatError, require_onnx
+from captioner.deploy import EXPORT_VERSION, GRAPHS, MANIFEST, FormatError, require_onnx
 from captioner.files import cache_home
 from captioner.model.decoder import Memory, StepOutput
 from captioner.model.encoder import CPU_CHUNK, Cells, eval_transform
@@ -140,7 +140,7 @@ def exported(source: str | Path) -> Path:
     if not source.is_file():
         raise FormatError(f"{source}: no such checkpoint or export folder")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    folder = cache_home() / "onnx" / digest
+    folder = cache_home() / "onnx" / f"{digest}-v{EXPORT_VERSION}"
     if not (folder / MANIFEST).is_file():
         from captioner.deploy.export import export_onnx
 
