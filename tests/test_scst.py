@@ -101,9 +101,10 @@ def test_the_sampled_log_probs_get_a_gradient_and_the_baseline_none(start):
     assert loss.total.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_a_stopped_scst_run_resumes_exactly(start, tmp_path):
+@pytest.mark.parametrize("kl", [[], ["train.scst_kl_weight=0.5"]], ids=["plain", "kl"])
+def test_a_stopped_scst_run_resumes_exactly(start, tmp_path, kl):
     config, ce = start
-    cfg = run_config(config, [*SCST, f"train.init={ce}", "train.epochs=2"])
+    cfg = run_config(config, [*SCST, f"train.init={ce}", "train.epochs=2", *kl])
     full = train(cfg, tmp_path / "full", "cpu")
     stopped = train(cfg, tmp_path / "run", "cpu", stop_after_steps=30)  # mid second epoch
     assert stopped.steps == 30 and stopped.interrupted is None
@@ -112,6 +113,48 @@ def test_a_stopped_scst_run_resumes_exactly(start, tmp_path):
     assert resumed.steps == full.steps == 40
     a, b = load_checkpoint(full.last).model_state, load_checkpoint(resumed.last).model_state
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_kl_term_is_zero_at_the_start_and_pulls_back_towards_it(start):
+    config, ce = start
+    from captioner.data.datasets import ImageBatch
+    from captioner.training.scst import SelfCritical
+
+    model, ckpt = load_model(ce)
+    initial, _ = load_model(ce)
+    cfg = run_config(config, [*SCST, f"train.init={ce}", "train.scst_kl_weight=1.0"])
+    refs = [("a red circle",), ("a blue square",)]
+    scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False,
+                        initial=initial.decoder)
+    assert not any(p.requires_grad for p in initial.decoder.parameters())
+    features = model.encoder.infer(torch.rand(2, 3, 64, 64)).clone()  # usable by autograd
+    v = ckpt.vocab
+    torch.manual_seed(0)
+    tokens, lengths = sample(model.decoder, features, 5, 12, v.start_id, v.end_id, v.pad_id, (v.pad_id,))
+    seqs = torch.cat([torch.full((10, 1), v.start_id), tokens], 1)
+    rows = torch.arange(2).repeat_interleave(5)
+
+    def kl() -> torch.Tensor:
+        return scst._kl_from_initial(model.decoder(features, seqs, lengths, rows).logits, features, seqs, lengths, rows)
+
+    model.decoder.eval()
+    assert abs(kl().item()) < 1e-6  # the same model
+    with torch.no_grad():
+        for p in model.decoder.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    drifted = kl()
+    assert drifted.item() > 1e-3
+    drifted.backward()
+    with torch.no_grad():
+        for p in model.decoder.parameters():
+            p.sub_(0.5 * p.grad)
+    assert kl().item() < drifted.item()  # its gradient leads back towards the initial model
+
+    # ... and the full loss carries it: without the initial decoder the weight is refused
+    with pytest.raises(ValueError, match="initial decoder"):
+        SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
+    model.decoder.train()
+    assert scst.loss(ImageBatch(torch.rand(2, 3, 64, 64), torch.tensor([0, 1])), torch.device("cpu")).total.requires_grad
 
 
 def test_scst_without_an_initial_checkpoint_is_refused(tmp_path):

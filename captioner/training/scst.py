@@ -11,7 +11,9 @@ other K - 1 samples (or than the image's greedy caption, `scst_baseline: greedy`
 The samples are drawn without gradients, in eval mode (no dropout); their log-probabilities then
 come from the packed teacher-forced pass over them, also in eval mode, so the gradient is that of
 the distribution sampled from. The baseline never gets a gradient. `scst_xent_weight` mixes in the
-cross-entropy of the references.
+cross-entropy of the references; `scst_kl_weight` the KL divergence of the policy from the frozen
+initial model at every sampled position (as RL fine-tuning of language models does), which holds the
+policy near its cross-entropy start: on 700 training images SCST otherwise learns their references.
 
 Shapes: N images, K samples per image, R = N·K sampled captions, T words, P scored positions.
 """
@@ -43,11 +45,15 @@ class SelfCritical:
         references: raw reference captions of each training image, by image id.
         vocab, train_cfg, decode_cfg: the run's.
         cached: the batches hold cached grids (else images for the frozen encoder).
+        initial: the frozen initial decoder, for `scst_kl_weight` (None without it).
     """
 
     def __init__(self, model: CaptionModel, net: nn.Module, references: Sequence[Sequence[str]], vocab: Vocabulary,
-                 train_cfg: TrainConfig, decode_cfg: DecodeConfig, cached: bool) -> None:
+                 train_cfg: TrainConfig, decode_cfg: DecodeConfig, cached: bool, initial: nn.Module | None = None) -> None:
+        if train_cfg.scst_kl_weight and initial is None:
+            raise ValueError("scst_kl_weight needs the initial decoder")
         self.model, self.net, self.vocab, self.cfg, self.cached = model, net, vocab, train_cfg, cached
+        self.initial = None if initial is None else initial.eval().requires_grad_(False)
         self.max_length = decode_cfg.max_length
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
@@ -100,6 +106,9 @@ class SelfCritical:
                 if self.cfg.scst_xent_weight:
                     xent = self._reference_xent(features, image_ids, device)
                 total = policy + self.cfg.scst_xent_weight * xent
+                if self.initial is not None:
+                    total = total + self.cfg.scst_kl_weight * self._kl_from_initial(out.logits, features, seqs, lengths,
+                                                                                    rows)
         finally:
             decoder.train(was_training)
         zero = total.new_zeros(())
@@ -111,6 +120,14 @@ class SelfCritical:
         logits = logits.float().index_fill(1, torch.tensor(self.banned, device=logits.device), float("-inf"))
         logits[:, self.vocab.end_id] = torch.where(step < 1, float("-inf"), logits[:, self.vocab.end_id])
         return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+    def _kl_from_initial(self, logits: Tensor, features: Tensor, seqs: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+        """Mean over the P sampled positions of KL(policy || initial model), from the policy's packed
+        logits (P, V) and the frozen initial decoder's pass over the same samples (same packing)."""
+        with torch.no_grad():
+            initial = torch.log_softmax(self.initial(features, seqs, lengths.to(seqs.device), rows).logits.float(), -1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
+        return (logp.exp() * (logp - initial)).sum(-1).mean()
 
     def _reference_xent(self, features: Tensor, image_ids: list[int], device: torch.device) -> Tensor:
         """Cross-entropy of the batch images' reference captions (teacher forcing, packed)."""

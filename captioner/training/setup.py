@@ -214,7 +214,10 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
     if tc.objective == "scst":  # batches of images, each sampled scst_samples times: ~batch_size captions a step
         images = ImageDataset(captions.records, cache=captions.cache, transform=None if cached else
                               model.encoder.transform(train=False))
-        scst = SelfCritical(model, net, images.references, vocab, tc, cfg.decode, cached)
+        initial = None
+        if tc.scst_kl_weight:  # the initial model's decoder, frozen (read again from train.init on resume)
+            initial = restore_model(init or load_checkpoint(tc.init), tc.init).decoder.to(device)
+        scst = SelfCritical(model, net, images.references, vocab, tc, cfg.decode, cached, initial)
         train_set = images
         sampler = EpochBatchSampler(len(images), max(1, tc.batch_size // tc.scst_samples), tc.seed, dist.rank,
                                     dist.world_size)
