@@ -99,6 +99,16 @@ def test_split_is_by_image_and_independent_of_input_order():
         assign_splits(records[:2], 0.5, 0.4)
 
 
+def test_validation_folds_of_one_seed_are_disjoint_and_cover_every_image():
+    records = [Record(Path(f"{i}.jpg"), ("a", "b"), "train") for i in range(40)]
+    folds = [{r.image for r in assign_splits(records, 0.125, seed=3, val_fold=k) if r.split == "val"} for k in range(8)]
+    assert all(len(f) == 5 for f in folds) and len(set().union(*folds)) == 40  # 8 disjoint folds of 5
+    first = assign_splits(records, 0.125, seed=3)  # fold 0 is the split without folds
+    assert {r.image for r in first if r.split == "val"} == folds[0]
+    with pytest.raises(SourceError, match=r"data.val_fold 8: 40 images hold 8 folds of 5 validation images"):
+        assign_splits(records, 0.125, seed=3, val_fold=8)
+
+
 def test_bad_csv_names_file_and_line(tmp_path):
     path = tmp_path / "captions.txt"
     path.write_text("image,caption\na.jpg,A dog.\nb.jpg,A cat, unquoted, commas\n")

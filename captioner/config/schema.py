@@ -28,7 +28,7 @@ MetricName = Literal["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L"
 
 # Allowed ranges: ">= a", "> a" or an interval "[a, b)", "[a, b]".
 LIMITS: dict[str, dict[str, str]] = {
-    "data": {"val_fraction": "[0, 1)", "test_fraction": "[0, 1)", "min_word_count": ">= 1", "max_length": ">= 2",
+    "data": {"val_fold": ">= 0", "val_fraction": "[0, 1)", "test_fraction": "[0, 1)", "min_word_count": ">= 1", "max_length": ">= 2",
              "num_workers": ">= 0", "shapes_images": ">= 10"},
     "model.encoder": {"image_size": "[32, 4096]", "trainable_stages": ">= 0"},
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
@@ -81,6 +81,7 @@ class DataConfig(_Section):
     val_fraction: float = 0.1  # used only when the source has no split of its own
     test_fraction: float = 0.0
     split_seed: int = 0
+    val_fold: int = 0  # k-fold validation: the k-th block of val_fraction of the shuffled images (0 = the first)
     min_word_count: int = 1  # rarer words become <unk>
     max_length: int = 20  # words per caption, without <start>/<end>; longer captions are cut
     cache_dir: str = ""  # feature cache folder; "" = $CAPTIONER_CACHE/features (~/.cache/captioner/features)

@@ -58,15 +58,23 @@ def split_records(records: Iterable[Record]) -> dict[str, list[Record]]:
     return out
 
 
-def assign_splits(records: list[Record], val_fraction: float, test_fraction: float = 0.0, seed: int = 0) -> list[Record]:
+def assign_splits(records: list[Record], val_fraction: float, test_fraction: float = 0.0, seed: int = 0,
+                  val_fold: int = 0) -> list[Record]:
     """Split BY IMAGE with a fixed seed: round(n*fraction) images (at least 1 when the fraction > 0)
-    go to val and test, the rest to train. Independent of the input order. Pure."""
+    go to val and test, the rest to train. Independent of the input order. Pure.
+
+    `val_fold` k takes the k-th block of n_val images of the shuffled order for validation (0 = the
+    first): folds 0..n//n_val - 1 of one seed hold disjoint validation images (k-fold validation)."""
     n = len(records)
     order = sorted(range(n), key=lambda i: str(records[i].image))
     random.Random(seed).shuffle(order)
     n_val, n_test = (0 if f == 0 else max(1, round(n * f)) for f in (val_fraction, test_fraction))
     if n_val + n_test >= n:
         raise SourceError(f"{n} images are too few for val_fraction={val_fraction}, test_fraction={test_fraction}")
+    if val_fold and (n_val == 0 or (val_fold + 1) * n_val > n):
+        raise SourceError(f"data.val_fold {val_fold}: {n} images hold {n // n_val if n_val else 0} folds of "
+                          f"{n_val} validation images (val_fold 0..{n // n_val - 1 if n_val else 0})")
+    order = order[val_fold * n_val :] + order[: val_fold * n_val]  # fold k first
     split = [""] * n
     for rank, i in enumerate(order):
         split[i] = "val" if rank < n_val else "test" if rank < n_val + n_test else "train"

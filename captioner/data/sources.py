@@ -39,7 +39,7 @@ def load_records(cfg: DataConfig, image_root: str | Path | None = None,
         root = Path(shapes_root) if shapes_root else default_root(cfg.shapes_images, cfg.shapes_seed)
         return generate_shapes(root, cfg.shapes_images, cfg.shapes_seed)
     return read_source(cfg.path, image_root or cfg.image_root or None, cfg.val_fraction, cfg.test_fraction,
-                       cfg.split_seed)
+                       cfg.split_seed, cfg.val_fold)
 
 
 def read_source(
@@ -48,11 +48,12 @@ def read_source(
     val_fraction: float = 0.1,
     test_fraction: float = 0.0,
     split_seed: int = 0,
+    val_fold: int = 0,
 ) -> list[Record]:
     """Records of the data set at `path` (a folder or a caption file, layout detected).
 
-    `image_root` overrides where image files are looked for. `val_fraction`, `test_fraction`
-    and `split_seed` are used only when the source has no split of its own.
+    `image_root` overrides where image files are looked for. `val_fraction`, `test_fraction`,
+    `split_seed` and `val_fold` are used only when the source has no split of its own.
     Raises SourceError (unknown layout, unparsable file, no images).
     """
     path = Path(path).expanduser()
@@ -68,7 +69,7 @@ def read_source(
     if not records:
         raise SourceError(f"{path}: no images with captions")
     if not has_split:
-        records = assign_splits(records, val_fraction, test_fraction, split_seed)
+        records = assign_splits(records, val_fraction, test_fraction, split_seed, val_fold)
     counts = {s: sum(r.split == s for r in records) for s in SPLITS}
     log.info("%s: %d images (%s)", path, len(records), ", ".join(f"{s} {n}" for s, n in counts.items()))
     return records

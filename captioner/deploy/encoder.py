@@ -74,7 +74,7 @@ def _exported_encoder(encoder: Encoder) -> Any:
             raise FormatError(f"{encoder.name}: the ONNX encoder differs from torch by {difference:.1e}; use "
                               f"data.cache_runtime=torch")
         os.replace(partial, path)
-    return ort_session(path, torch.get_num_threads())
+    return ort_session(path, torch.get_num_threads(), spin=True)
 
 
 def cache_encoder(encoder: Encoder, device: torch.device | str, runtime: str = "auto") -> Encoder | OnnxGridEncoder:
