@@ -112,3 +112,10 @@ def test_the_config_names_exactly_the_metrics_computed():
 def test_diversity_counts_dangling_endings_and_distinct_words_and_captions():
     got = metrics.diversity(["A man riding a", "a man riding a horse.", "a man riding a horse", "dogs play in"])
     assert got == {"dangling": 0.5, "distinct_words": 7.0, "distinct_captions": 3.0}  # a man riding horse dogs play in
+
+
+def test_per_image_cider_averages_to_the_corpus_cider_and_follows_each_caption():
+    per_image = metrics.cider_per_image(REFS, HYPS)
+    assert len(per_image) == 3 and np.mean(per_image) == pytest.approx(caption_metrics(REFS, HYPS, meteor=False)["CIDEr"])
+    worse = metrics.cider_per_image(REFS, {**HYPS, 7: "a red circle"})
+    assert worse[1] < per_image[1] and worse[0] == pytest.approx(per_image[0]) and worse[2] == pytest.approx(per_image[2])

@@ -57,6 +57,33 @@ def caption_metrics(
     from pycocoevalcap.cider.cider import Cider
     from pycocoevalcap.rouge.rouge import Rouge
 
+    gts, res = _tokenized(references, hypotheses)
+    java = java_available()
+    scores: dict[str, float] = {}
+    bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+    scores.update({f"Bleu_{n}": float(b) for n, b in enumerate(bleu, start=1)})
+    want_meteor = java if meteor is None else meteor
+    if want_meteor and java:
+        scores["METEOR"] = _meteor(gts, res)
+    elif want_meteor or meteor is None:
+        log.warning("METEOR skipped: it needs Java (`java` is not on PATH)")
+    scores["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
+    scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
+    return {k: scores[k] for k in METRIC_NAMES if k in scores}
+
+
+def cider_per_image(references: Mapping[str | int, Sequence[str]], hypotheses: Mapping[str | int, str]) -> list[float]:
+    """pycocoevalcap's CIDEr-D of each hypothesis (in `hypotheses` order; their mean is `caption_metrics`'
+    "CIDEr"), for paired comparisons of two models image by image."""
+    from pycocoevalcap.cider.cider import Cider
+
+    gts, res = _tokenized(references, hypotheses)
+    return [float(x) for x in Cider().compute_score(gts, res)[1]]
+
+
+def _tokenized(references: Mapping[str | int, Sequence[str]],
+               hypotheses: Mapping[str | int, str]) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+    """References and hypotheses tokenised as pycocoevalcap expects, keyed 0..n-1 in `hypotheses` order."""
     if not hypotheses:
         raise ValueError("caption_metrics: no hypotheses to score")
     missing = [k for k in hypotheses if not references.get(k)]
@@ -69,20 +96,7 @@ def caption_metrics(
     tokens = _ptb_tokenize(raw) if java else _simple_tokenize(raw)
     if not java:
         log.info("java not found: captions tokenised with captioner.vocab.tokenize instead of the PTBTokenizer")
-    gts = {i: tokens[("ref", k)] for i, k in enumerate(keys)}
-    res = {i: tokens[("hyp", k)] for i, k in enumerate(keys)}
-
-    scores: dict[str, float] = {}
-    bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
-    scores.update({f"Bleu_{n}": float(b) for n, b in enumerate(bleu, start=1)})
-    want_meteor = java if meteor is None else meteor
-    if want_meteor and java:
-        scores["METEOR"] = _meteor(gts, res)
-    elif want_meteor or meteor is None:
-        log.warning("METEOR skipped: it needs Java (`java` is not on PATH)")
-    scores["ROUGE_L"] = float(Rouge().compute_score(gts, res)[0])
-    scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
-    return {k: scores[k] for k in METRIC_NAMES if k in scores}
+    return ({i: tokens[("ref", k)] for i, k in enumerate(keys)}, {i: tokens[("hyp", k)] for i, k in enumerate(keys)})
 
 
 def _meteor(gts: dict[int, list[str]], res: dict[int, list[str]]) -> float:

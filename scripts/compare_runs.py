@@ -1,0 +1,77 @@
+"""Is model B better than model A beyond the noise of the validation images? A paired comparison
+over one or more validation folds.
+
+    python scripts/compare_runs.py A0.pt B0.pt [A1.pt B1.pt ...] [--bootstrap 10000]
+
+Each pair is two checkpoints of one data split (B usually fine-tuned from A, e.g. SCST from its
+cross-entropy start), scored on that split's validation images with each checkpoint's own decode
+settings. Pairs on different folds (`data.val_fold`) pool into one comparison over all their images.
+Prints per fold and pooled: CIDEr-D of A and B (the mean of pycocoevalcap's per-image scores, as
+validation computes it), B's relative gain with a paired bootstrap 95% interval (images resampled
+within each fold), BLEU-4 (corpus, averaged over folds) and distinct words.
+
+100 validation images give a CIDEr-D gain an interval about 25 points wide; 8 folds of 100, 9 wide.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from captioner.decoding.evaluation import evaluate_checkpoint
+from captioner.decoding.metrics import cider_per_image
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoints", nargs="+", help="A B pairs: baseline then candidate, one pair per fold")
+    p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def score(checkpoint: str, device: str) -> tuple[list[str], np.ndarray, float, float]:
+    """Validation image paths, per-image CIDEr-D, corpus BLEU-4 and distinct words of a checkpoint."""
+    ev, _ = evaluate_checkpoint(checkpoint, split="val", device=device, meteor=False)
+    paths = [c.path for c in ev.captions]
+    cider = np.asarray(cider_per_image(ev.references, {c.path: c.text for c in ev.captions}))
+    return paths, cider, ev.metrics["Bleu_4"], ev.diversity["distinct_words"]
+
+
+def main(args: argparse.Namespace) -> None:
+    if len(args.checkpoints) % 2:
+        raise SystemExit("compare_runs.py: give checkpoints in pairs (baseline, candidate)")
+    rng = np.random.default_rng(0)
+    folds = []
+    print(f"{'pair':<5}{'images':>7}{'CIDEr-D A':>11}{'CIDEr-D B':>11}{'gain':>8}{'95% interval':>18}"
+          f"{'BLEU-4 A':>10}{'BLEU-4 B':>10}{'words A':>9}{'words B':>9}")
+    for n, (a_path, b_path) in enumerate(zip(args.checkpoints[::2], args.checkpoints[1::2])):
+        paths_a, a, bleu_a, words_a = score(a_path, args.device)
+        paths_b, b, bleu_b, words_b = score(b_path, args.device)
+        if paths_a != paths_b:
+            raise SystemExit(f"compare_runs.py: {a_path} and {b_path} do not share their validation images")
+        folds.append((a, b, bleu_a, bleu_b, words_a, words_b))
+        print(_row(str(n), [(a, b)], rng, args.bootstrap, bleu_a, bleu_b, words_a, words_b))
+    if len(folds) > 1:
+        mean = lambda i: float(np.mean([f[i] for f in folds]))  # noqa: E731
+        print(_row("all", [(f[0], f[1]) for f in folds], rng, args.bootstrap, mean(2), mean(3), mean(4), mean(5)))
+
+
+def _row(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], rng: np.random.Generator, n: int,
+         bleu_a: float, bleu_b: float, words_a: float, words_b: float) -> str:
+    """One table row: pooled means, relative gain and its paired bootstrap interval (stratified by fold)."""
+    a = np.concatenate([x for x, _ in pairs])
+    b = np.concatenate([y for _, y in pairs])
+    sums_a, sums_b = np.zeros(n), np.zeros(n)
+    for x, y in pairs:  # resample images within each fold, keeping the pairs together
+        idx = rng.integers(0, len(x), (n, len(x)))
+        sums_a += x[idx].sum(1)
+        sums_b += y[idx].sum(1)
+    gains = sums_b / sums_a - 1
+    low, high = np.percentile(gains, [2.5, 97.5])
+    return (f"{name:<5}{len(a):>7}{a.mean():>11.3f}{b.mean():>11.3f}{b.mean() / a.mean() - 1:>+8.1%}"
+            f"{f'[{low:+.1%}, {high:+.1%}]':>18}{bleu_a:>10.3f}{bleu_b:>10.3f}{words_a:>9.0f}{words_b:>9.0f}")
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())
