@@ -176,8 +176,12 @@ def beam_search(
         is_end = top_tok == end_id  # (n, 2K)
         new_hidden, new_alpha = out.hidden, out.alpha  # (R, H), (R, L)
 
+        any_end = bool(is_end.any())  # most steps have none among the 2K candidates: nothing to sort out
+
         # 1. <end> within an image's top K ranks: a finished hypothesis (words so far, no new word).
-        _finalize(finals, ids, K, top_scores[:, :K], top_beam[:, :K], is_end[:, :K], words, history, length_penalty)
+        if any_end:
+            _finalize(finals, ids, K, top_scores[:, :K], top_beam[:, :K], is_end[:, :K], words, history,
+                      length_penalty)
         if t == max_length:
             break
 
@@ -197,10 +201,12 @@ def beam_search(
 
         # 3. The best K non-<end> candidates continue (a stable sort keeps the rank order). Each beam
         # has one <end>, so 2K candidates hold at least K others.
-        keep = torch.sort(is_end.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # (n, K) positions
-        scores = top_scores.gather(1, keep)  # (n, K)
-        src = (first_rows[:n] + top_beam.gather(1, keep)).view(R)  # (R,) row each new beam comes from
-        tokens = top_tok.gather(1, keep).view(R)  # (R,)
+        if any_end:
+            keep = torch.sort(is_end.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # (n, K) positions
+            top_scores, top_beam, top_tok = (x.gather(1, keep) for x in (top_scores, top_beam, top_tok))  # (n, K)
+        scores = top_scores[:, :K].contiguous()  # (n, K)
+        src = (first_rows[:n] + top_beam[:, :K]).reshape(R)  # (R,) row each new beam comes from
+        tokens = top_tok[:, :K].reshape(R)  # (R,)
         hidden = new_hidden.index_select(0, src)  # (R, H)
         words = torch.cat([words.index_select(0, src), tokens.unsqueeze(1)], dim=1)  # (R, t + 1)
         history = torch.cat([history.index_select(0, src), new_alpha.index_select(0, src).unsqueeze(1)], dim=1)  # (R, t + 1, L)
