@@ -15,6 +15,7 @@ within each fold), BLEU-4 (corpus, averaged over folds) and distinct words.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
@@ -33,7 +34,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 def score(checkpoint: str, device: str) -> tuple[list[str], np.ndarray, float, float]:
     """Validation image paths, per-image CIDEr-D, corpus BLEU-4 and distinct words of a checkpoint."""
     ev, _ = evaluate_checkpoint(checkpoint, split="val", device=device, meteor=False)
-    paths = [c.path for c in ev.captions]
+    paths = [str(Path(c.path).resolve()) for c in ev.captions]
     cider = np.asarray(cider_per_image(ev.references, {c.path: c.text for c in ev.captions}))
     return paths, cider, ev.metrics["Bleu_4"], ev.diversity["distinct_words"]
 
