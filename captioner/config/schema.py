@@ -145,7 +145,6 @@ class TrainConfig(_Section):
     scst_samples: int = 5  # captions sampled per image; each is judged against the mean reward of the others
     scst_baseline: Literal["mean", "greedy"] = "mean"  # or the reward of the image's greedy caption
     scst_xent_weight: float = 0.0  # mix in this much cross-entropy on the references
-    scst_dropout: bool = False  # the log-probabilities come from a pass with the decoder's dropout on
     # weight of KL(policy || the initial model) per sampled word: keeps SCST near its cross-entropy start
     scst_kl_weight: float = 0.0
     epochs: int = 20

@@ -98,7 +98,6 @@ class SelfCritical:
                 start = torch.full((len(tokens), 1), self.vocab.start_id, dtype=torch.long, device=device)
                 seqs = torch.cat([start, tokens.to(device)], dim=1)  # (R, T + 1) what the decoder reads
                 rows = torch.arange(len(image_ids), device=device).repeat_interleave(K)  # (R,) each sample's image
-                decoder.train(self.cfg.scst_dropout)
                 out = self.net(features, seqs, lengths.to(device), rows)  # packed: logits (P, V)
                 logp = self._token_log_probs(out.logits, seqs[out.caption, out.step + 1], out.step)  # (P,)
                 policy = -(advantage[out.caption] * logp).mean()
