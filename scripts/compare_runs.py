@@ -8,7 +8,8 @@ cross-entropy start), scored on that split's validation images with each checkpo
 settings. Pairs on different folds (`data.val_fold`) pool into one comparison over all their images.
 Prints per fold and pooled: CIDEr-D of A and B (the mean of pycocoevalcap's per-image scores, as
 validation computes it), B's relative gain with a paired bootstrap 95% interval (images resampled
-within each fold), BLEU-4 (corpus, averaged over folds) and distinct words.
+within each fold), BLEU-4 (corpus, averaged over folds), distinct words and how sharply the words'
+maps peak (the median peak weight as a multiple of an even spread; 1x = looking everywhere).
 
 100 validation images give a CIDEr-D gain an interval about 25 points wide; 8 folds of 100, 9 wide.
 """
@@ -31,12 +32,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def score(checkpoint: str, device: str) -> tuple[list[str], np.ndarray, float, float]:
-    """Validation image paths, per-image CIDEr-D, corpus BLEU-4 and distinct words of a checkpoint."""
+def score(checkpoint: str, device: str) -> tuple[list[str], np.ndarray, float, float, float]:
+    """Validation image paths, per-image CIDEr-D, corpus BLEU-4, distinct words and the median peak of
+    the words' maps (as a multiple of an even spread) of a checkpoint."""
     ev, _ = evaluate_checkpoint(checkpoint, split="val", device=device, meteor=False)
     paths = [str(Path(c.path).resolve()) for c in ev.captions]
     cider = np.asarray(cider_per_image(ev.references, {c.path: c.text for c in ev.captions}))
-    return paths, cider, ev.metrics["Bleu_4"], ev.diversity["distinct_words"]
+    return paths, cider, ev.metrics["Bleu_4"], ev.diversity["distinct_words"], ev.focus["peak_median"]
 
 
 def main(args: argparse.Namespace) -> None:
@@ -45,22 +47,24 @@ def main(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     folds = []
     print(f"{'pair':<5}{'images':>7}{'CIDEr-D A':>11}{'CIDEr-D B':>11}{'gain':>8}{'95% interval':>18}"
-          f"{'BLEU-4 A':>10}{'BLEU-4 B':>10}{'words A':>9}{'words B':>9}")
+          f"{'BLEU-4 A':>10}{'BLEU-4 B':>10}{'words A':>9}{'words B':>9}{'peak A':>8}{'peak B':>8}")
     for n, (a_path, b_path) in enumerate(zip(args.checkpoints[::2], args.checkpoints[1::2])):
-        paths_a, a, bleu_a, words_a = score(a_path, args.device)
-        paths_b, b, bleu_b, words_b = score(b_path, args.device)
+        paths_a, a, *figures_a = score(a_path, args.device)
+        paths_b, b, *figures_b = score(b_path, args.device)
         if paths_a != paths_b:
             raise SystemExit(f"compare_runs.py: {a_path} and {b_path} do not share their validation images")
-        folds.append((a, b, bleu_a, bleu_b, words_a, words_b))
-        print(_row(str(n), [(a, b)], rng, args.bootstrap, bleu_a, bleu_b, words_a, words_b))
+        figures = [x for pair in zip(figures_a, figures_b) for x in pair]  # BLEU-4, words, peak: A then B
+        folds.append((a, b, figures))
+        print(_row(str(n), [(a, b)], rng, args.bootstrap, figures))
     if len(folds) > 1:
-        mean = lambda i: float(np.mean([f[i] for f in folds]))  # noqa: E731
-        print(_row("all", [(f[0], f[1]) for f in folds], rng, args.bootstrap, mean(2), mean(3), mean(4), mean(5)))
+        means = [float(np.mean([f[2][i] for f in folds])) for i in range(6)]
+        print(_row("all", [(f[0], f[1]) for f in folds], rng, args.bootstrap, means))
 
 
 def _row(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], rng: np.random.Generator, n: int,
-         bleu_a: float, bleu_b: float, words_a: float, words_b: float) -> str:
-    """One table row: pooled means, relative gain and its paired bootstrap interval (stratified by fold)."""
+         figures: list[float]) -> str:
+    """One table row: pooled means, relative gain and its paired bootstrap interval (stratified by
+    fold), then BLEU-4, distinct words and median peak, A then B."""
     a = np.concatenate([x for x, _ in pairs])
     b = np.concatenate([y for _, y in pairs])
     sums_a, sums_b = np.zeros(n), np.zeros(n)
@@ -71,7 +75,8 @@ def _row(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], rng: np.random.G
     gains = sums_b / sums_a - 1
     low, high = np.percentile(gains, [2.5, 97.5])
     return (f"{name:<5}{len(a):>7}{a.mean():>11.3f}{b.mean():>11.3f}{b.mean() / a.mean() - 1:>+8.1%}"
-            f"{f'[{low:+.1%}, {high:+.1%}]':>18}{bleu_a:>10.3f}{bleu_b:>10.3f}{words_a:>9.0f}{words_b:>9.0f}")
+            f"{f'[{low:+.1%}, {high:+.1%}]':>18}{figures[0]:>10.3f}{figures[1]:>10.3f}{figures[2]:>9.0f}"
+            f"{figures[3]:>9.0f}{figures[4]:>7.1f}x{figures[5]:>7.1f}x")
 
 
 if __name__ == "__main__":

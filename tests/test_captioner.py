@@ -135,6 +135,8 @@ def test_cli_evaluate_on_shapes(tmp_path, monkeypatch, capsys):
     hyps = {c["path"]: c["caption"] for c in report["captions"]}
     assert report["metrics"] == pytest.approx(caption_metrics(refs, hyps, meteor=False))
     assert 0.0 <= report["grounding"]["hit_rate"] <= 1.0
+    assert "attention: a word's peak weight is a median" in out
+    assert report["focus"]["peak_median"] >= 1.0 and 0.0 <= report["focus"]["focused"] <= 1.0
 
 
 def test_cli_evaluate_reports_an_empty_split(tmp_path, monkeypatch, capsys):

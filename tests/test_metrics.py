@@ -119,3 +119,12 @@ def test_per_image_cider_averages_to_the_corpus_cider_and_follows_each_caption()
     assert len(per_image) == 3 and np.mean(per_image) == pytest.approx(caption_metrics(REFS, HYPS, meteor=False)["CIDEr"])
     worse = metrics.cider_per_image(REFS, {**HYPS, 7: "a red circle"})
     assert worse[1] < per_image[1] and worse[0] == pytest.approx(per_image[0]) and worse[2] == pytest.approx(per_image[2])
+
+
+def test_attention_focus_is_the_peak_as_a_multiple_of_an_even_spread():
+    even, one_cell = np.full((4, 4), 1 / 16), np.eye(1, 16).reshape(4, 4)
+    half = np.zeros((4, 4))
+    half[0, :2] = 0.5  # 8x an even spread: not above the line
+    focus = metrics.attention_focus([even, one_cell, half, even])
+    assert focus["peak_median"] == pytest.approx(4.5) and focus["focused"] == pytest.approx(0.25)
+    assert metrics.attention_focus([one_cell])["peak_p90"] == pytest.approx(16.0) and metrics.attention_focus([]) == {}

@@ -86,8 +86,9 @@ def load_captioner(args: argparse.Namespace) -> Any:
 
 
 def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found",
-                     diversity: dict[str, float] | None = None) -> None:
-    """The metric table, the captions' diversity, and attention grounding when the data has boxes."""
+                     diversity: dict[str, float] | None = None, focus: dict[str, float] | None = None) -> None:
+    """The metric table, the captions' diversity, how sharply the maps peak, and attention grounding
+    when the data has boxes."""
     print(f"{'metric':<10}{'score':>8}")
     for name, value in metrics.items():
         print(f"{name:<10}{value:>8.4f}" if name != "CIDEr" else f"{'CIDEr-D':<10}{value:>8.4f}")
@@ -96,6 +97,11 @@ def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str
     if diversity:
         print(f"captions: {diversity['dangling']:.1%} end on a function word, {diversity['distinct_words']:.0f} "
               f"distinct words, {diversity['distinct_captions']:.0f} distinct captions")
+    if focus:
+        from captioner.decoding.metrics import FOCUSED
+
+        print(f"attention: a word's peak weight is a median {focus['peak_median']:.1f}x an even spread (90th "
+              f"percentile {focus['peak_p90']:.1f}x); {focus['focused']:.0%} of words peak above {FOCUSED:g}x")
     if grounding is not None:
         g = grounding
         print(f"grounding over {g.words} object words: hit rate {g.hit_rate:.3f} (attention peak in the object's box), "

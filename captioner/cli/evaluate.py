@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode:   beam {d.beam_size}, max length {d.max_length}, length penalty {d.length_penalty}"
           f"{f', no repeat {d.no_repeat_ngram}-grams' if d.no_repeat_ngram else ''}")
     print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found",
-                     result.diversity)
+                     result.diversity, result.focus)
     for path, reason in result.skipped[:20]:
         print(f"skipped:  {path}: {reason}")
     if len(result.skipped) > 20:

@@ -20,7 +20,7 @@ from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
-from captioner.decoding.metrics import caption_metrics, diversity
+from captioner.decoding.metrics import attention_focus, caption_metrics, diversity
 from captioner.errors import CaptionerError
 from captioner.model.checkpoint import load_checkpoint
 
@@ -38,6 +38,7 @@ class Evaluation:
     skipped: (path, reason) of the images that could not be read.
     decode: the decode settings used.
     diversity: share of captions ending on a function word, distinct words, distinct captions.
+    focus: how sharply the words' maps peak (`attention_focus`).
     """
 
     metrics: dict[str, float]
@@ -47,6 +48,7 @@ class Evaluation:
     skipped: list[tuple[str, str]]
     decode: DecodeConfig
     diversity: dict[str, float] = dataclasses.field(default_factory=dict)
+    focus: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,7 @@ class Evaluation:
             "decode": dataclasses.asdict(self.decode),
             "metrics": self.metrics,
             "diversity": self.diversity,
+            "focus": self.focus,
             "grounding": None if self.grounding is None else dataclasses.asdict(self.grounding),
             "captions": [{**c.to_json(attention=False), "references": self.references[c.path]} for c in self.captions],
         }
@@ -89,7 +92,7 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
                 for c in captions if by_path[c.path].boxes]
     grounding = grounding_score(grounded) if grounded else None
     return Evaluation(metrics, grounding, captions, references, skipped, captioner.decode_config(**decode_overrides),
-                      diversity([c.text for c in captions]))
+                      diversity([c.text for c in captions]), attention_focus([m for c in captions for m in c.attention]))
 
 
 def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: str = "test", data: str | None = None,

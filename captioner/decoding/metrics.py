@@ -12,6 +12,8 @@ import logging
 import shutil
 from collections.abc import Hashable, Mapping, Sequence
 
+import numpy as np
+
 from captioner.data.vocab import FUNCTION_WORDS, tokenize
 
 log = logging.getLogger(__name__)
@@ -119,3 +121,18 @@ def diversity(captions: Sequence[str]) -> dict[str, float]:
         "distinct_words": float(len({w for t in tokens for w in t})),
         "distinct_captions": float(len({" ".join(t) for t in tokens})),
     }
+
+
+FOCUSED = 8.0  # a word whose map peaks at 8x an even spread looks somewhere in particular
+
+
+def attention_focus(maps: Sequence[np.ndarray]) -> dict[str, float]:
+    """How sharply the model looks, from each word's attention map (any shape, summing to 1): the
+    peak weight as a multiple of an even spread (1 = uniform, L = all on one of L cells), its median
+    and 90th percentile over the words, and the share of words above FOCUSED. Needs no boxes, so it
+    works on any photos (the grounding score needs object boxes)."""
+    if not maps:
+        return {}
+    peaks = np.array([float(m.max()) * m.size for m in maps])
+    return {"peak_median": float(np.median(peaks)), "peak_p90": float(np.percentile(peaks, 90)),
+            "focused": float((peaks > FOCUSED).mean())}
