@@ -57,18 +57,17 @@ class OnnxGridEncoder:
 
 
 def _exported_encoder(encoder: Encoder) -> Any:
-    from captioner.deploy.export import EncoderGraph, compare_graph, export_graph
+    from captioner.deploy.export import compare_graph, export_graph
 
     folder = cache_home() / "onnx" / f"encoder-{hashlib.sha256(encoder.cache_key().encode()).hexdigest()[:16]}"
     path = folder / "encoder.onnx"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        module = EncoderGraph(encoder)
         pixels = torch.randn(2, 3, encoder.image_size, encoder.image_size, generator=torch.Generator().manual_seed(0))
         log.info("%s: exporting the encoder to ONNX for the cache (once) in %s", encoder.name, folder)
         partial = folder / f".encoder.{os.getpid()}.onnx"
-        export_graph(module, (pixels,), ["pixels"], ["grid"], partial)
-        difference = compare_graph(partial, module, (pixels[:1],), ["pixels"])
+        export_graph(encoder, (pixels,), ["pixels"], ["grid"], partial)
+        difference = compare_graph(partial, encoder, (pixels[:1],), ["pixels"])
         if difference > 1e-3:
             partial.unlink(missing_ok=True)
             raise FormatError(f"{encoder.name}: the ONNX encoder differs from torch by {difference:.1e}; use "

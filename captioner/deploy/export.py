@@ -33,19 +33,9 @@ from captioner.files import atomic_write_text, writable_dir
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import load_checkpoint, restore_model
 from captioner.model.decoder import AttentionDecoder, Memory
-from captioner.model.encoder import Encoder
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # largest difference from torch accepted, on any output
-
-
-class EncoderGraph(nn.Module):
-    def __init__(self, encoder: Encoder) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, pixels: Tensor) -> Tensor:
-        return self.encoder(pixels)  # (B, L, D_enc)
 
 
 class _ReferenceStep(nn.Module):
@@ -137,7 +127,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> E
 
     memory = InferenceMemory(dec)
     graphs = {  # name: (what is exported, what it must match, input names, output names)
-        "encoder": (EncoderGraph(model.encoder), EncoderGraph(model.encoder), ["pixels"], ["grid"]),
+        "encoder": (model.encoder, model.encoder, ["pixels"], ["grid"]),  # (B, 3, S, S) -> (B, L, D_enc)
         "memory": (memory, memory, ["grid"], ["features", "keys", "state"]),
         "step": (InferenceStep(dec), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
                  ["logits", "alpha", "new_state"])}
