@@ -13,6 +13,8 @@ Each measurement is the best of --repeats interleaved runs (other processes only
 Without --checkpoint an UNTRAINED model is used (the default encoder with its ImageNet weights, a
 random decoder): nonsense captions that run to max_length more often, so a worst case.
 Targets (one thread, beam 5): end to end at least 42 images/s; one image from file in 30 ms.
+`onnx-int8` rows: the same export with its encoder quantized to int8 (captions change a little:
+score it with `captioner evaluate --runtime onnx`).
 """
 from __future__ import annotations
 
@@ -47,7 +49,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()],
                    help="thread counts to compare (default: 1 and all)")
-    p.add_argument("--runtimes", nargs="+", default=["torch", "onnx"], choices=["torch", "onnx"])
+    p.add_argument("--runtimes", nargs="+", default=["torch", "onnx", "onnx-int8"], choices=["torch", "onnx", "onnx-int8"],
+                   help="onnx-int8: the export with the encoder in int8 (`captioner export --quantize int8`), "
+                        "calibrated on 64 photos of --data that are not measured")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each measurement; the best counts")
     return p
 
@@ -61,13 +65,14 @@ def untrained_checkpoint(records, folder: Path) -> tuple[Path, str]:
     return save_checkpoint(folder / "untrained.pt", Config(model=cfg), vocab, model.state_dict()), what
 
 
-def load(runtime: str, checkpoint: Path, threads: int, decode_cfg: DecodeConfig) -> Captioner:
+def load(runtime: str, source: Path, threads: int, decode_cfg: DecodeConfig) -> Captioner:
+    """`source`: a checkpoint, or for onnx-int8 its int8 export folder."""
     torch.set_num_threads(threads)
-    if runtime == "onnx":
+    if runtime.startswith("onnx"):
         from captioner.deploy.runtime import onnx_captioner
 
-        return onnx_captioner(checkpoint, decode_cfg, threads=threads)
-    return Captioner.from_checkpoint(checkpoint, "cpu", decode_cfg)
+        return onnx_captioner(source, decode_cfg, threads=threads)
+    return Captioner.from_checkpoint(source, "cpu", decode_cfg)
 
 
 def measurements(c: Captioner, paths: list[str], bs: int) -> dict[str, tuple[Callable[[], object], ...]]:
@@ -107,12 +112,22 @@ def main(args) -> None:
         checkpoint, what = ((Path(args.checkpoint), f"checkpoint {args.checkpoint}") if args.checkpoint
                             else untrained_checkpoint(records, Path(tmp)))
         print(f"model:   {what}")
+        sources = {runtime: checkpoint for runtime in args.runtimes}
+        if "onnx-int8" in args.runtimes:
+            from captioner.deploy import CALIBRATION_IMAGES
+            from captioner.deploy.export import export_onnx
+
+            calibration = [str(r.image) for r in records][n : n + CALIBRATION_IMAGES]
+            report = export_onnx(checkpoint, Path(tmp) / "int8", int8_calibration=calibration)
+            sources["onnx-int8"] = report.folder
+            print(f"int8:    encoder calibrated on {len(calibration)} other photos; its grids differ from float32 "
+                  f"by {report.int8_difference:.1%}")
         print(f"data:    {n} images from {args.data}; beam {args.beam}, max length {args.max_length}; "
               f"best of {args.repeats}")
         rows: list[tuple[str, int, str, list[float]]] = []
         for runtime in args.runtimes:
             for threads in args.threads:
-                c = load(runtime, checkpoint, threads, decode_cfg)
+                c = load(runtime, sources[runtime], threads, decode_cfg)
                 c.caption(paths[:2], batch_size=2)  # warm-up (allocators, lazy init, sessions)
                 runs = measurements(c, paths, bs)
                 best = {name: [float("inf")] * len(fns) for name, fns in runs.items()}
@@ -130,17 +145,19 @@ def main(args) -> None:
                     latencies.append(time.perf_counter() - tick)
                 rows.append((runtime, threads, "1 image from file (ms)", [1000 * statistics.median(latencies)]))
     print()
-    print(f"{'runtime':<8}{'threads':>8}  {'measurement (images/s)':<28}{'batch 1':>10}{f'batch {bs}':>10}")
+    print(f"{'runtime':<10}{'threads':>8}  {'measurement (images/s)':<28}{'batch 1':>10}{f'batch {bs}':>10}")
     for runtime, threads, name, values in rows:
         cells = "".join(f"{v:>10.1f}" for v in values)
-        print(f"{runtime:<8}{threads:>8}  {name:<28}{cells}")
+        print(f"{runtime:<10}{threads:>8}  {name:<28}{cells}")
     by = {(r, t, name): v for r, t, name, v in rows}
-    if "torch" in args.runtimes and "onnx" in args.runtimes:
+    if "torch" in args.runtimes:
         print()
-        for threads in args.threads:
-            e2e = [by[("onnx", threads, "end to end, from files")][j] / by[("torch", threads, "end to end, from files")][j]
-                   for j in range(2)]
-            print(f"onnx / torch, {threads} thread(s), end to end: batch 1 {e2e[0]:.2f}x, batch {bs} {e2e[1]:.2f}x")
+        for runtime in (r for r in args.runtimes if r != "torch"):
+            for threads in args.threads:
+                e2e = [by[(runtime, threads, "end to end, from files")][j]
+                       / by[("torch", threads, "end to end, from files")][j] for j in range(2)]
+                print(f"{runtime} / torch, {threads} thread(s), end to end: batch 1 {e2e[0]:.2f}x, "
+                      f"batch {bs} {e2e[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -199,3 +199,69 @@ def test_the_feature_cache_filled_by_onnx_runtime_matches_torch(tmp_path):
     by_onnx = build_cache(records, onnx_encoder, tmp_path / "onnx").cache
     for r in records:
         np.testing.assert_allclose(np.asarray(by_onnx.get(r.image)), np.asarray(by_torch.get(r.image)), atol=1e-4)
+
+
+def _photos(folder: Path, n: int = 8) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"photo{i}.png" for i in range(n)]
+    for image, path in zip(_images(n), paths):
+        image.save(path)
+    return [str(p) for p in paths]
+
+
+def test_an_int8_export_quantizes_the_encoder_and_captions_with_it(exported, tmp_path):
+    import onnx
+
+    checkpoint, fp32 = exported
+    report = export_onnx(checkpoint, tmp_path / "int8", int8_calibration=_photos(tmp_path / "calibration"))
+    ops = {node.op_type for node in onnx.load(str(report.folder / "encoder.onnx")).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops and "QuantizeLinear" not in {
+        node.op_type for g in ("memory", "step") for node in onnx.load(str(report.folder / f"{g}.onnx")).graph.node}
+    encoder = json.loads((report.folder / "manifest.json").read_text())["encoder"]
+    assert encoder["precision"] == "int8" and encoder["calibration"]["images"] == 8
+    assert 0 < report.int8_difference < 0.5 and encoder["calibration"]["relative_difference"] == pytest.approx(
+        report.int8_difference, abs=1e-4)
+    assert json.loads((fp32.folder / "manifest.json").read_text())["encoder"]["precision"] == "float32"
+    captions = onnx_captioner(report.folder).caption(_images(3))
+    assert all(c.tokens and c.finished is not None for c in captions)
+    for c in captions:
+        assert c.attention.reshape(len(c.tokens), -1).sum(-1) == pytest.approx(np.ones(len(c.tokens)), abs=1e-4)
+
+
+def test_int8_settings_are_checked_before_any_export(exported, tmp_path, capsys):
+    checkpoint, _ = exported
+    out = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--quantize", "int8"]) == 2
+    assert capsys.readouterr().err.strip() == ("captioner: error: --quantize int8 and --calibration IMG go together: "
+                                               "the int8 ranges are calibrated on photos")
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--quantize", "int8",
+                 "--calibration", str(tmp_path / "empty")]) == 2
+    assert "empty: no image files" in capsys.readouterr().err
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not a jpeg")
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--quantize", "int8",
+                 "--calibration", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"captioner: error: {broken}: none of the 1 calibration images could be read"
+    assert not (out / "encoder.onnx").exists()  # refused before minutes of export
+
+
+def test_evaluate_with_the_onnx_runtime_scores_as_torch(tmp_path, capsys):
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64),
+                            decoder=DecoderConfig(embed_dim=16, hidden_dim=32, attention_dim=16, dropout=0.0))
+    data = dataclasses.replace(Config().data, path="shapes", shapes_images=20, val_fraction=0.25)
+    vocab = build_vocabulary(CAPTIONS)
+    checkpoint = save_checkpoint(tmp_path / "tiny.pt", Config(data=data, model=model_cfg), vocab,
+                                 build_model(model_cfg, len(vocab), pretrained=False).state_dict())
+    scores = {}
+    for runtime in ("torch", "onnx"):
+        out = tmp_path / f"{runtime}.json"
+        assert main(["evaluate", "--checkpoint", str(checkpoint), "--split", "val", "--no-meteor", "--runtime",
+                     runtime, "--device", "cpu", "--out", str(out)]) == 0
+        scores[runtime] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert len(scores["onnx"]["captions"]) == len(scores["torch"]["captions"]) >= 2
+    assert [c["caption"] for c in scores["onnx"]["captions"]] == [c["caption"] for c in scores["torch"]["captions"]]
+    assert scores["onnx"]["metrics"] == pytest.approx(scores["torch"]["metrics"], abs=1e-6)

@@ -32,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     never a traceback: bad input (2), an unwritable or full disk (2), Ctrl-C (130), a closed
     output pipe (`captioner caption ... | head -1`: quietly, 141)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    # The project's own progress at INFO; other libraries' only from WARNING (the ONNX exporter and
+    # quantizer log a hundred lines of their internals at INFO).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("captioner").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.func(args)
     except CaptionerError as e:

@@ -5,7 +5,14 @@ import argparse
 import json
 import sys
 
-from captioner.cli.common import add_decode_options, add_device, decode_overrides, print_evaluation
+from captioner.cli.common import (
+    add_decode_options,
+    add_device,
+    add_runtime,
+    decode_overrides,
+    load_captioner,
+    print_evaluation,
+)
 from captioner.errors import CaptionerError
 from captioner.files import atomic_write_text, writable_file
 
@@ -20,6 +27,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="score only the first N images of the split")
     p.add_argument("--out", help="write metrics and the generated captions to this JSON file")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR (it starts a Java process, ~10 s)")
+    add_runtime(p)
     p.set_defaults(func=run)
 
 
@@ -30,16 +38,23 @@ def _tqdm(items, total):
 
 
 def run(args: argparse.Namespace) -> int:
-    from captioner.decoding.evaluation import evaluate_checkpoint
+    from captioner.decoding.evaluation import evaluate_checkpoint, evaluate_split
 
     settings = decode_overrides(args)
     if args.limit is not None and args.limit < 1:
         raise CaptionerError(f"--limit must be at least 1, got {args.limit}")
     if args.out:
         writable_file(args.out, "report")  # before minutes of captioning, not after
-    result, data = evaluate_checkpoint(args.checkpoint, args.split, args.data, args.image_root, args.limit,
-                                       args.device, args.batch_size, meteor=False if args.no_meteor else None,
-                                       progress=_tqdm if sys.stderr.isatty() else None, **settings)
+    options = {"meteor": False if args.no_meteor else None, "progress": _tqdm if sys.stderr.isatty() else None}
+    if args.runtime == "onnx":  # an export folder or a checkpoint; the data settings from its manifest
+        from captioner.deploy.runtime import exported_data
+
+        captioner = load_captioner(args)
+        result, data = evaluate_split(captioner, exported_data(args.checkpoint[0]), args.split, args.data,
+                                      args.image_root, args.limit, args.batch_size, **options, **settings)
+    else:
+        result, data = evaluate_checkpoint(args.checkpoint, args.split, args.data, args.image_root, args.limit,
+                                           args.device, args.batch_size, **options, **settings)
     d = result.decode
     print(f"data:     {data} ({args.split}: {len(result.captions)} images captioned, {len(result.skipped)} skipped)")
     print(f"decode:   beam {d.beam_size}, max length {d.max_length}, length penalty {d.length_penalty}"

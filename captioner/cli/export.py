@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+from captioner.deploy import CALIBRATION_IMAGES
+from captioner.errors import CaptionerError
+
 
 def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="export a checkpoint to ONNX (encoder, memory and step graphs + manifest)",
@@ -12,14 +15,32 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoint written by `captioner train`")
     p.add_argument("--format", choices=("onnx",), default="onnx", help="onnx (the only format so far)")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="folder for the graphs and manifest.json")
+    p.add_argument("--quantize", choices=("int8",),
+                   help="int8: the encoder quantized to 8-bit integers (~2.4x faster on a CPU, captions change a "
+                        "little; score it with captioner evaluate --runtime onnx); needs --calibration")
+    p.add_argument("--calibration", nargs="+", metavar="IMG",
+                   help="photos like those you will caption (files, folders or glob patterns; up to "
+                        f"{CALIBRATION_IMAGES} evenly spaced are used), for --quantize int8")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from captioner.cli.caption import expand_images
     from captioner.deploy.export import export_onnx
 
-    report = export_onnx(args.checkpoint, args.out)
+    if bool(args.quantize) != bool(args.calibration):
+        raise CaptionerError("--quantize int8 and --calibration IMG go together: the int8 ranges are calibrated "
+                             "on photos")
+    calibration = None
+    if args.calibration:
+        calibration, problems = expand_images(args.calibration)
+        if problems:
+            raise CaptionerError(problems[0])
+    report = export_onnx(args.checkpoint, args.out, int8_calibration=calibration)
     for path in report.files:
         print(f"wrote {path}")
     print("largest difference from torch: " + ", ".join(f"{k} {v:.1e}" for k, v in report.differences.items()))
+    if report.int8_difference is not None:
+        print(f"int8 encoder: its grids differ from float32 by {report.int8_difference:.1%} (relative) on the "
+              f"calibration photos")
     return 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from captioner.config import DecodeConfig
+from captioner.config import DataConfig, DecodeConfig
 from captioner.data.images import ImageError
 from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
@@ -117,12 +117,25 @@ def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: st
     paths = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
     ckpts = [load_checkpoint(p) for p in paths]
     ckpt = ckpts[0]
-    data_cfg = ckpt.config.data if data is None else dataclasses.replace(ckpt.config.data, path=str(data))
+    data_cfg = ckpt.config.data
+    captioner = Captioner.from_checkpoint(ckpts if len(ckpts) > 1 else ckpt, device)
+    del ckpt, ckpts  # the optimiser state, if any, is not needed
+    return evaluate_split(captioner, data_cfg, split, data, image_root, limit, batch_size, meteor, progress,
+                          **decode_overrides)
+
+
+def evaluate_split(captioner: Captioner, data_cfg: DataConfig, split: str = "test", data: str | None = None,
+                   image_root: str | Path | None = None, limit: int | None = None, batch_size: int = 32,
+                   meteor: bool | None = None, progress: Progress | None = None,
+                   **decode_overrides: Any) -> tuple[Evaluation, str]:
+    """Score `captioner` on `split` of the data set `data_cfg` describes (or of `data`, read with those
+    settings): what `evaluate_checkpoint` does once it has the model, for any runtime."""
+    if split not in SPLITS:
+        raise CaptionerError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+    data_cfg = data_cfg if data is None else dataclasses.replace(data_cfg, path=str(data))
     records = load_records(data_cfg, image_root)
     chosen = [r for r in records if r.split == split][:limit]
     if not chosen:
         counts = ", ".join(f"{s} {sum(r.split == s for r in records)}" for s in SPLITS)
         raise CaptionerError(f"{data_cfg.path}: no images in split '{split}' ({counts}); choose another with --split")
-    captioner = Captioner.from_checkpoint(ckpts if len(ckpts) > 1 else ckpt, device)
-    del ckpt, ckpts  # the optimiser state, if any, is not needed
     return evaluate_records(captioner, chosen, batch_size, meteor, progress, **decode_overrides), str(data_cfg.path)

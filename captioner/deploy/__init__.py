@@ -1,6 +1,7 @@
 """Deploying a model without its training code's costs: ONNX graphs and ONNX Runtime inference.
 
     export.py    `export_onnx(checkpoint, folder)`: encoder, memory and step graphs + manifest, verified
+    quantize.py  the encoder in int8 (static quantization calibrated on photos), for `export --quantize int8`
     step.py      the decoder's memory and step rewritten for inference graphs (token tables)
     encoder.py   the feature cache built with ONNX Runtime
     runtime.py   `onnx_captioner(folder)`: a `Captioner` whose encoder and decoder steps run in ONNX Runtime
@@ -12,9 +13,10 @@ from __future__ import annotations
 from captioner.errors import CaptionerError
 
 MANIFEST = "manifest.json"
-EXPORT_VERSION = 2  # 2: memory/step from `deploy.step` (keys doubled, token tables)
+EXPORT_VERSION = 3  # 2: memory/step from `deploy.step` (keys doubled, token tables); 3: manifest data + precision
 OPSET = 18
 GRAPHS = ("encoder", "memory", "step")
+CALIBRATION_IMAGES = 64  # the most photos an int8 encoder is calibrated on (evenly spaced over those given)
 
 
 class FormatError(CaptionerError):

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, FormatError, require_onnx
+from captioner.deploy.quantize import calibration_pixels, quantize_encoder
 from captioner.deploy.step import InferenceMemory, InferenceStep
 from captioner.files import atomic_write_text, writable_dir
 from captioner.model.caption_model import CaptionModel
@@ -52,11 +54,13 @@ class _ReferenceStep(nn.Module):
 
 @dataclass
 class ExportReport:
-    """What was written and how closely each graph matches torch (largest absolute difference)."""
+    """What was written and how closely each graph matches torch (largest absolute difference); for
+    an int8 encoder, its grids' relative difference from float32 on the calibration photos."""
 
     folder: Path
     files: list[Path]
     differences: dict[str, float]
+    int8_difference: float | None = None
 
 
 def export_graph(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str], outputs: list[str], path: Path) -> None:
@@ -85,8 +89,8 @@ def compare_graph(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], nam
     return max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
 
 
-def manifest(ckpt: Any, model: CaptionModel, checkpoint: str) -> dict[str, Any]:
-    """What the runtime needs besides the graphs."""
+def manifest(ckpt: Any, model: CaptionModel, checkpoint: str, precision: dict[str, Any]) -> dict[str, Any]:
+    """What the runtime needs besides the graphs, and the data settings `evaluate` scores it with."""
     import onnx
     import onnxruntime
 
@@ -95,7 +99,8 @@ def manifest(ckpt: Any, model: CaptionModel, checkpoint: str) -> dict[str, Any]:
         "format": "captioner-onnx", "version": EXPORT_VERSION, "checkpoint": checkpoint,
         "encoder": {"name": enc.name, "image_size": enc.image_size, "interpolation": enc.interpolation.value,
                     "mean": list(enc.mean), "std": list(enc.std), "grid": list(enc.grid),
-                    "cells": enc.cells._asdict(), "width": enc.out_dim},
+                    "cells": enc.cells._asdict(), "width": enc.out_dim, **precision},
+        "data": dataclasses.asdict(ckpt.config.data),
         "vocabulary": ckpt.vocab.to_list(),
         "decode": dataclasses.asdict(ckpt.config.decode),
         "meta": {k: ckpt.meta[k] for k in ("epoch", "step", "metrics") if k in ckpt.meta},
@@ -103,9 +108,12 @@ def manifest(ckpt: Any, model: CaptionModel, checkpoint: str) -> dict[str, Any]:
     }
 
 
-def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> ExportReport:
-    """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. Raises FormatError
-    (one line) for what cannot be exported, and when a graph differs from torch by more than TOLERANCE."""
+def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
+                int8_calibration: Sequence[str] | None = None) -> ExportReport:
+    """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. With
+    `int8_calibration` (photo paths) the encoder is quantized to int8, calibrated on those photos
+    (`captioner.deploy.quantize`). Raises FormatError (one line) for what cannot be exported, and when
+    a graph differs from torch by more than TOLERANCE."""
     require_onnx()
     out = writable_dir(out_dir)
     ckpt = load_checkpoint(checkpoint)
@@ -113,6 +121,8 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> E
         raise FormatError(f"{checkpoint}: model.decoder.init_pooling 'attention' is not exported yet (use 'mean' "
                           f"or 'none')")
     model = restore_model(ckpt, checkpoint).eval()
+    calibration = (None if int8_calibration is None else  # read before minutes of export, not after
+                   calibration_pixels(int8_calibration, model.encoder.transform(train=False)))
     generator = torch.Generator().manual_seed(seed)
     S, dec = model.encoder.image_size, model.decoder
 
@@ -141,5 +151,15 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0) -> E
         if differences[name] > TOLERANCE:
             raise FormatError(f"{path}: differs from torch by {differences[name]:.2e} (more than {TOLERANCE:g})")
         files.append(path)
-    files.append(atomic_write_text(out / MANIFEST, json.dumps(manifest(ckpt, model, str(checkpoint)), indent=1)))
-    return ExportReport(out, files, differences)
+    precision: dict[str, Any] = {"precision": "float32"}
+    int8_difference = None
+    if calibration is not None:
+        log.info("quantizing the encoder to int8 on %d photos", len(calibration))
+        partial = out / ".encoder-int8.onnx"
+        int8_difference = quantize_encoder(out / "encoder.onnx", partial, calibration)
+        partial.replace(out / "encoder.onnx")
+        precision = {"precision": "int8", "calibration": {"images": len(calibration),
+                                                          "relative_difference": round(int8_difference, 4)}}
+    text = json.dumps(manifest(ckpt, model, str(checkpoint), precision), indent=1)
+    files.append(atomic_write_text(out / MANIFEST, text))
+    return ExportReport(out, files, differences, int8_difference)

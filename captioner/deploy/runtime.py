@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
 
-from captioner.config import DecodeConfig
+from captioner.config import DataConfig, DecodeConfig
+from captioner.config.parse import from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
 from captioner.deploy import EXPORT_VERSION, GRAPHS, MANIFEST, FormatError, require_onnx
@@ -152,6 +153,16 @@ def exported(source: str | Path) -> Path:
         log.warning("exporting %s to ONNX in %s (once)", source, folder)
         export_onnx(source, folder)
     return folder
+
+
+def exported_data(source: str | Path) -> DataConfig:
+    """The data settings of the checkpoint behind `source` (an export folder or a checkpoint), which
+    `captioner evaluate --runtime onnx` scores on (its validation split, its seed)."""
+    folder = exported(source)
+    manifest = read_manifest(folder)
+    if "data" not in manifest:
+        raise FormatError(f"{folder}: exported before exports recorded their data settings; export it again")
+    return from_dict(DataConfig, manifest["data"], "data")
 
 
 def onnx_captioner(source: str | Path, decode: DecodeConfig | None = None, threads: int | None = None) -> Captioner:
