@@ -16,7 +16,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("onnx",), default="onnx", help="onnx (the only format so far)")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="folder for the graphs and manifest.json")
     p.add_argument("--quantize", choices=("int8",),
-                   help="int8: the encoder quantized to 8-bit integers (~2.4x faster on a CPU, captions change a "
+                   help="int8: the encoder quantized to 8-bit integers (~2.2x faster on a CPU, captions change a "
                         "little; score it with captioner evaluate --runtime onnx); needs --calibration")
     p.add_argument("--calibration", nargs="+", metavar="IMG",
                    help="photos like those you will caption (files, folders or glob patterns; up to "
