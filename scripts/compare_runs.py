@@ -4,7 +4,7 @@ over one or more validation folds.
     python scripts/compare_runs.py A0.pt B0.pt [A1.pt B1.pt ...] [--bootstrap 10000]
 
 Each pair is two checkpoints of one data split (B usually fine-tuned from A, e.g. SCST from its
-cross-entropy start), scored on that split's validation images with each checkpoint's own decode
+cross-entropy start; either side may be an ensemble, `a.pt+b.pt`), scored on that split's validation images with each checkpoint's own decode
 settings. Pairs on different folds (`data.val_fold`) pool into one comparison over all their images.
 Prints per fold and pooled: CIDEr-D of A and B (the mean of pycocoevalcap's per-image scores, as
 validation computes it), B's relative gain with a paired bootstrap 95% interval (images resampled
@@ -26,7 +26,8 @@ from captioner.decoding.metrics import cider_per_image
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoints", nargs="+", help="A B pairs: baseline then candidate, one pair per fold")
+    p.add_argument("checkpoints", nargs="+",
+                   help="A B pairs: baseline then candidate, one pair per fold; a.pt+b.pt is an ensemble")
     p.add_argument("--bootstrap", type=int, default=10000, help="bootstrap resamples")
     p.add_argument("--device", default="cpu")
     return p
@@ -34,8 +35,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def score(checkpoint: str, device: str) -> tuple[list[str], np.ndarray, float, float, float]:
     """Validation image paths, per-image CIDEr-D, corpus BLEU-4, distinct words and the median peak of
-    the words' maps (as a multiple of an even spread) of a checkpoint."""
-    ev, _ = evaluate_checkpoint(checkpoint, split="val", device=device, meteor=False)
+    the words' maps (as a multiple of an even spread) of a checkpoint, or of an ensemble `a.pt+b.pt`."""
+    ev, _ = evaluate_checkpoint(checkpoint.split("+"), split="val", device=device, meteor=False)
     paths = [str(Path(c.path).resolve()) for c in ev.captions]
     cider = np.asarray(cider_per_image(ev.references, {c.path: c.text for c in ev.captions}))
     return paths, cider, ev.metrics["Bleu_4"], ev.diversity["distinct_words"], ev.focus["peak_median"]
