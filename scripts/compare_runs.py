@@ -12,6 +12,7 @@ within each fold), BLEU-4 (corpus, averaged over folds), distinct words and how 
 maps peak (the median peak weight as a multiple of an even spread; 1x = looking everywhere).
 
 100 validation images give a CIDEr-D gain an interval about 25 points wide; 8 folds of 100, 9 wide.
+Pairs on the same validation images (runs of two seeds on one fold) are resampled together.
 """
 from __future__ import annotations
 
@@ -55,22 +56,27 @@ def main(args: argparse.Namespace) -> None:
         if paths_a != paths_b:
             raise SystemExit(f"compare_runs.py: {a_path} and {b_path} do not share their validation images")
         figures = [x for pair in zip(figures_a, figures_b) for x in pair]  # BLEU-4, words, peak: A then B
-        folds.append((a, b, figures))
-        print(_row(str(n), [(a, b)], rng, args.bootstrap, figures))
+        folds.append(((tuple(paths_a), a, b), figures))
+        print(_row(str(n), [folds[-1][0]], rng, args.bootstrap, figures))
     if len(folds) > 1:
-        means = [float(np.mean([f[2][i] for f in folds])) for i in range(6)]
-        print(_row("all", [(f[0], f[1]) for f in folds], rng, args.bootstrap, means))
+        means = [float(np.mean([f[1][i] for f in folds])) for i in range(6)]
+        print(_row("all", [f[0] for f in folds], rng, args.bootstrap, means))
 
 
-def _row(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], rng: np.random.Generator, n: int,
+def _row(name: str, pairs: list[tuple[tuple[str, ...], np.ndarray, np.ndarray]], rng: np.random.Generator, n: int,
          figures: list[float]) -> str:
-    """One table row: pooled means, relative gain and its paired bootstrap interval (stratified by
-    fold), then BLEU-4, distinct words and median peak, A then B."""
-    a = np.concatenate([x for x, _ in pairs])
-    b = np.concatenate([y for _, y in pairs])
+    """One table row from (validation images, A's scores, B's scores) pairs: pooled means, relative
+    gain and its paired bootstrap interval (stratified by fold), then BLEU-4, distinct words and
+    median peak, A then B."""
+    a = np.concatenate([x for _, x, _ in pairs])
+    b = np.concatenate([y for _, _, y in pairs])
     sums_a, sums_b = np.zeros(n), np.zeros(n)
-    for x, y in pairs:  # resample images within each fold, keeping the pairs together
-        idx = rng.integers(0, len(x), (n, len(x)))
+    draws: dict[tuple[str, ...], np.ndarray] = {}
+    for images, x, y in pairs:  # resample images within each fold, keeping the pairs together;
+        # pairs on the same images (e.g. runs of two seeds) draw the same images, as they are not independent
+        if images not in draws:
+            draws[images] = rng.integers(0, len(x), (n, len(x)))
+        idx = draws[images]
         sums_a += x[idx].sum(1)
         sums_b += y[idx].sum(1)
     gains = sums_b / sums_a - 1
