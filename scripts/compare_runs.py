@@ -5,7 +5,8 @@ over one or more validation folds.
 
 Each pair is two checkpoints of one data split (B usually fine-tuned from A, e.g. SCST from its
 cross-entropy start; either side may be an ensemble, `a.pt+b.pt`), scored on that split's validation
-images with each checkpoint's own decode settings. Pairs on different folds (`data.val_fold`) pool into one comparison over all their images.
+images with each checkpoint's own decode settings. Pairs on different folds (`data.val_fold`) pool
+into one comparison over all their images.
 Prints per fold and pooled: CIDEr-D of A and B (the mean of pycocoevalcap's per-image scores, as
 validation computes it), B's relative gain with a paired bootstrap 95% interval (images resampled
 within each fold), BLEU-4 (corpus, averaged over folds), distinct words and how sharply the words'
