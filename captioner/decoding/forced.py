@@ -1,0 +1,65 @@
+"""Teacher forcing at inference: where would the model look, and how likely is each word, for a
+caption it is *given* (a user's phrasing, or a reference caption for the attention-correctness
+protocol of Liu et al. 2017)?
+
+Shapes: B captions, T words (+ <end>), L = H'·W' regions, V vocabulary.
+
+Runs the decoder step by step as beam search does (eval mode, `memory` once per image, `step`),
+so it works for any decoder with that interface: the torch `AttentionDecoder`, an ensemble, and
+the ONNX Runtime decoder alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from captioner.model.decoder import AttentionDecoder
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A teacher-forced pass over B captions.
+
+    logprobs: (B, T + 1) log-probability of each word and of <end> after the last one; 0 past a
+        caption's length.
+    alphas: (B, T + 1, L) the attention of the step that predicted each of them (zeros past the end).
+    lengths: (B,) words + 1 (<end>) per caption.
+    """
+
+    logprobs: Tensor
+    alphas: Tensor
+    lengths: Tensor
+
+
+@torch.no_grad()
+def teacher_force(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, lengths: Tensor,
+                  rows: Tensor | None = None) -> Forced:
+    """Feed the given captions to the decoder and read off each word's log-probability and map.
+
+    Args:
+        decoder: in eval mode (dropout off).
+        features: (N, L, D) encoder grids.
+        tokens: (B, T + 2) `[<start>, w1..wn, <end>, <pad>...]` word ids.
+        lengths: (B,) scored positions per caption (words + <end>), at least 1.
+        rows: (B,) int64 row of `features` for each caption; None = caption b is image b.
+    Returns:
+        Forced: step t's log-probability of tokens[:, t + 1] and the map it was predicted with.
+    """
+    B, device = tokens.size(0), features.device
+    rows = torch.arange(B, device=device) if rows is None else rows.to(device)
+    memory = decoder.memory(features)  # (N, L, D), (N, L, A): once per image
+    state = decoder.init_hidden(memory)[rows]  # (B, H) or (B, H + D)
+    memory = memory.select(rows)  # (B, L, D), (B, L, A)
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    steps = int(lengths.max())
+    logprobs, alphas = [], []
+    for t in range(steps):
+        out = decoder.step(tokens[:, t], state, memory)  # logits (B, V), alpha (B, L)
+        logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, V)
+        logprobs.append(logp.gather(1, tokens[:, t + 1 : t + 2]).squeeze(1))  # (B,)
+        alphas.append(out.alpha.float())  # (B, L)
+        state = out.hidden
+    live = (torch.arange(steps, device=device)[None, :] < lengths[:, None]).float()  # (B, T + 1)
+    return Forced(torch.stack(logprobs, 1) * live, torch.stack(alphas, 1) * live[..., None], lengths)
