@@ -128,13 +128,16 @@ def test_cli_evaluate_on_shapes(tmp_path, monkeypatch, capsys):
                  "--beam", "2", "--no-meteor", "--device", "cpu"])
     out, _ = capsys.readouterr()
     assert code == 0
-    assert "CIDEr-D" in out and "Bleu_4" in out and "METEOR" in out and "grounding over" in out
+    assert "CIDEr-D" in out and "Bleu_4" in out and "METEOR" in out and "grounding (generated captions)" in out
+    assert "grounding (teacher-forced on the reference captions)" in out
     report = json.loads(out_json.read_text())
     assert report["images"] == 3 and report["split"] == "test" and report["grounding"] is not None
     refs = {c["path"]: c["references"] for c in report["captions"]}
     hyps = {c["path"]: c["caption"] for c in report["captions"]}
     assert report["metrics"] == pytest.approx(caption_metrics(refs, hyps, meteor=False))
-    assert 0.0 <= report["grounding"]["hit_rate"] <= 1.0
+    assert 0.0 <= report["grounding"]["all"]["hit_rate"] <= 1.0
+    forced = report["reference_grounding"]["all"]
+    assert forced["words"] >= 3 * 5 and 0.0 <= forced["hit_rate"] <= 1.0  # every reference names its shapes
     assert "attention: a word's peak weight is a median" in out
     assert report["focus"]["peak_median"] >= 1.0 and 0.0 <= report["focus"]["focused"] <= 1.0
 
@@ -206,3 +209,37 @@ def test_averaged_checkpoints_hold_the_mean_weights(tmp_path, capsys):
     first = load_checkpoint(a).model_state
     torch.testing.assert_close(avg["decoder.readout.bias"], first["decoder.readout.bias"] + 1.0)
     torch.testing.assert_close(avg["decoder.embedding.weight"], first["decoder.embedding.weight"])
+
+
+def test_cli_evaluate_with_a_box_file(tmp_path, monkeypatch, capsys):
+    """`--boxes FILE` scores the pointing game on the photos the file names (here: the shapes test
+    images, boxed by hand as a user would), on generated and on reference captions."""
+    from captioner.data.sources import load_records
+
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
+    data = DataConfig(path="shapes", shapes_images=30)
+    ckpt = _save(tmp_path / "m.pt", data=data)
+    test = [r for r in load_records(data) if r.split == "test"]
+    boxes = tmp_path / "boxes.jsonl"
+    boxes.write_text("".join(json.dumps({"image": r.image.name, "objects": [
+        {"words": b.label.split()[-1:], "boxes": [[b.x0, b.y0, b.x1, b.y1]]} for b in r.boxes]}) + "\n" for r in test))
+    out_json = tmp_path / "results.json"
+    code = main(["evaluate", "--checkpoint", str(ckpt), "--split", "test", "--boxes", str(boxes), "--out",
+                 str(out_json), "--beam", "2", "--no-meteor", "--device", "cpu"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "centre" in out and "even" in out
+    report = json.loads(out_json.read_text())
+    forced = report["reference_grounding"]
+    shape_words = sum(1 for r in test for c in r.captions for w in c.split() if w in {"circle", "square", "triangle"})
+    assert forced["all"]["words"] == shape_words  # only the shape names are boxed now, not the colours
+    assert set(forced["by_word"]) <= {"circle", "square", "triangle"}
+    assert set(forced["all"]) == {"words", "hit_rate", "mean_mass", "centre_hit_rate", "even_mass"}
+
+
+def test_cli_evaluate_refuses_a_bad_box_file_before_captioning(tmp_path, capsys, checkpoint):
+    bad = tmp_path / "boxes.jsonl"
+    bad.write_text('{"image": "a.jpg", "objects": [{"words": ["dog"], "boxes": [[1, 2]]}]}\n')
+    code = main(["evaluate", "--checkpoint", str(checkpoint), "--boxes", str(bad), "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code != 0 and "boxes.jsonl:1: a box must be" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -64,6 +64,20 @@ def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def add_text(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--text", metavar="CAPTION",
+                   help=f"no search: {what} these words (teacher-forced), each with its log-probability; "
+                        f"every word must be in the model's vocabulary")
+
+
+def word_logprobs(caption: Any) -> str:
+    """A forced caption's words and <end>, each with its log-probability, and their sum:
+    `a -0.05  red -1.20  circle -0.33  <end> -0.02  (sum -1.60)`."""
+    end = caption.logprob - sum(caption.word_logprobs)
+    pairs = [*zip(caption.tokens, caption.word_logprobs), ("<end>", end)]
+    return "  ".join(f"{word} {lp:.2f}" for word, lp in pairs) + f"  (sum {caption.logprob:.2f})"
+
+
 def add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
                    help="torch, or onnx: ONNX Runtime on the CPU, --checkpoint then an export folder of `captioner "
@@ -103,6 +117,22 @@ def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str
         print(f"attention: a word's peak weight is a median {focus['peak_median']:.1f}x an even spread (90th "
               f"percentile {focus['peak_p90']:.1f}x); {focus['focused']:.0%} of words peak above {FOCUSED:g}x")
     if grounding is not None:
-        g = grounding
-        print(f"grounding over {g.words} object words: hit rate {g.hit_rate:.3f} (attention peak in the object's box), "
-              f"mean mass {g.mean_mass:.3f} (attention inside the box)")
+        print_grounding(grounding, "generated captions")
+
+
+def print_grounding(g: Any, what: str, words: int = 8) -> None:
+    """The pointing game's table (a `GroundingResult`): hit rate and mass in the box beside their
+    baselines, overall, by object size and for the most frequent words."""
+    print(f"grounding ({what}): {g.words} words naming a boxed object; hit = the map's peak in the object's box, "
+          f"mass = its weight inside; baselines: the photo's centre, an even map")
+    print(f"  {'words':<22}{'n':>5}{'hit':>7}{'centre':>8}{'mass':>7}{'even':>7}")
+    rows = [("all", g.all), ("objects < 25% of photo", g.small), ("objects >= 25%", g.large)]
+    rows += [(f"  {w}", p) for w, p in list(g.by_word.items())[:words]]
+    for name, p in rows:
+        if p.words:
+            print(f"  {name:<22}{p.words:>5}{p.hit_rate:>7.3f}{p.centre_hit_rate:>8.3f}{p.mean_mass:>7.3f}"
+                  f"{p.even_mass:>7.3f}")
+    if g.multi_captions:
+        print(f"  captions naming 2+ boxed objects: {g.multi_captions}, each word on its own object from its own "
+              f"cell: {g.multi_own_box:.3f}")
+    print(f"  distinct peak cells per word of a caption: {g.distinct_peaks:.2f}")

@@ -12,6 +12,7 @@ from captioner.cli.common import (
     decode_overrides,
     load_captioner,
     print_evaluation,
+    print_grounding,
 )
 from captioner.errors import CaptionerError
 from captioner.files import atomic_write_text, writable_file
@@ -27,6 +28,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, help="score only the first N images of the split")
     p.add_argument("--out", help="write metrics and the generated captions to this JSON file")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR (it starts a Java process, ~10 s)")
+    p.add_argument("--boxes", metavar="FILE",
+                   help="object boxes for the grounding score (pointing game): JSON lines "
+                        "{image, objects: [{words, boxes}]} or a COCO instances JSON")
     add_runtime(p)
     p.set_defaults(func=run)
 
@@ -38,6 +42,7 @@ def _tqdm(items, total):
 
 
 def run(args: argparse.Namespace) -> int:
+    from captioner.data.boxes import read_boxes
     from captioner.decoding.evaluation import evaluate_checkpoint, evaluate_split
 
     settings = decode_overrides(args)
@@ -45,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
         raise CaptionerError(f"--limit must be at least 1, got {args.limit}")
     if args.out:
         writable_file(args.out, "report")  # before minutes of captioning, not after
-    options = {"meteor": False if args.no_meteor else None, "progress": _tqdm if sys.stderr.isatty() else None}
+    boxes = read_boxes(args.boxes) if args.boxes else None  # a bad file fails before any captioning
+    options = {"meteor": False if args.no_meteor else None, "progress": _tqdm if sys.stderr.isatty() else None,
+               "boxes": boxes}
     if args.runtime == "onnx":  # an export folder or a checkpoint; the data settings from its manifest
         from captioner.deploy.runtime import exported_data
 
@@ -61,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
           f"{f', no repeat {d.no_repeat_ngram}-grams' if d.no_repeat_ngram else ''}")
     print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found",
                      result.diversity, result.focus)
+    if boxes is not None and result.grounding is None:
+        print(f"grounding: none of the {len(result.captions)} captioned images is in {args.boxes}")
+    if result.reference_grounding is not None:
+        print_grounding(result.reference_grounding, "teacher-forced on the reference captions")
     for path, reason in result.skipped[:20]:
         print(f"skipped:  {path}: {reason}")
     if len(result.skipped) > 20:

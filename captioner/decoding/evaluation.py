@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from captioner.config import DataConfig, DecodeConfig
+from captioner.data.boxes import GroundObject, objects_of, read_boxes
 from captioner.data.images import ImageError
 from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
 from captioner.decoding.metrics import attention_focus, caption_metrics, diversity
+from captioner.decoding.references import reference_samples
 from captioner.errors import CaptionerError
 from captioner.model.checkpoint import load_checkpoint
 
@@ -32,7 +34,9 @@ class Evaluation:
     """What an evaluation found.
 
     metrics: caption metrics (see `caption_metrics`); empty when no image could be captioned.
-    grounding: attention grounding over the images that have boxes, else None.
+    grounding: attention grounding of the generated captions over the images that have boxes, else None.
+    reference_grounding: the same, the model teacher-forced on the reference captions (the
+        attention-correctness protocol: every model is scored on the same words), else None.
     captions: the generated captions, in record order (unreadable images left out).
     references: image path -> its reference captions, for the captioned images.
     skipped: (path, reason) of the images that could not be read.
@@ -49,6 +53,7 @@ class Evaluation:
     decode: DecodeConfig
     diversity: dict[str, float] = dataclasses.field(default_factory=dict)
     focus: dict[str, float] = dataclasses.field(default_factory=dict)
+    reference_grounding: GroundingResult | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,13 +63,17 @@ class Evaluation:
             "metrics": self.metrics,
             "diversity": self.diversity,
             "focus": self.focus,
-            "grounding": None if self.grounding is None else dataclasses.asdict(self.grounding),
+            "grounding": None if self.grounding is None else self.grounding.to_json(),
+            "reference_grounding": None if self.reference_grounding is None else self.reference_grounding.to_json(),
             "captions": [{**c.to_json(attention=False), "references": self.references[c.path]} for c in self.captions],
         }
 
 
+Boxes = dict[str, list[GroundObject]]  # photo file name -> its boxed objects (`read_boxes`)
+
+
 def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size: int = 32,
-                     meteor: bool | None = None, progress: Progress | None = None,
+                     meteor: bool | None = None, progress: Progress | None = None, boxes: Boxes | None = None,
                      **decode_overrides: Any) -> Evaluation:
     """Caption the records' images and score the captions against their references.
 
@@ -74,6 +83,7 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
         batch_size: images per batch.
         meteor: see `caption_metrics` (None = when Java is available).
         progress: optional wrapper around the (path, result) iterator and its length, e.g. a tqdm.
+        boxes: objects by photo file name, for grounding; None = the records' own boxes (shapes).
         decode_overrides: DecodeConfig fields.
     Returns:
         An Evaluation; unreadable images are skipped and listed, not fatal.
@@ -88,17 +98,29 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
             captions.append(result)
     references = {c.path: list(by_path[c.path].captions) for c in captions}
     metrics = caption_metrics(references, {c.path: c.text for c in captions}, meteor=meteor) if captions else {}
-    grounded = [GroundingSample(c.tokens, c.attention, c.image_size, by_path[c.path].boxes, c.cells)
-                for c in captions if by_path[c.path].boxes]
+    objects = _objects(boxes)
+    grounded = [GroundingSample(c.tokens, c.attention, c.image_size, objects(by_path[c.path]), c.cells)
+                for c in captions if objects(by_path[c.path])]
     grounding = grounding_score(grounded) if grounded else None
-    return Evaluation(metrics, grounding, captions, references, skipped, captioner.decode_config(**decode_overrides),
-                      diversity([c.text for c in captions]), attention_focus([m for c in captions for m in c.attention]))
+    cfg = captioner.decode_config(**decode_overrides)
+    forced = list(reference_samples(captioner, records, objects, cfg.max_length)) if grounded else []
+    return Evaluation(metrics, grounding, captions, references, skipped, cfg, diversity([c.text for c in captions]),
+                      attention_focus([m for c in captions for m in c.attention]),
+                      grounding_score(forced) if forced else None)
+
+
+def _objects(boxes: Boxes | None):
+    """record -> its boxed objects: from `boxes` by file name, or the record's own boxes."""
+    if boxes is None:
+        return lambda record: objects_of(record.boxes)
+    return lambda record: boxes.get(Path(record.image).name, [])
 
 
 def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: str = "test", data: str | None = None,
                         image_root: str | Path | None = None, limit: int | None = None,
                         device: str | torch.device = "auto", batch_size: int = 32, meteor: bool | None = None,
-                        progress: Progress | None = None, **decode_overrides: Any) -> tuple[Evaluation, str]:
+                        progress: Progress | None = None, boxes: Boxes | None = None,
+                        **decode_overrides: Any) -> tuple[Evaluation, str]:
     """Score a checkpoint on a split of its own data set (or of `data`, read with the checkpoint's
     data settings). Returns the Evaluation and the data path used.
 
@@ -108,7 +130,7 @@ def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: st
         data: another data set (folder, caption file, or "shapes") instead of the checkpoint's.
         image_root: where the images are, when not next to the caption file.
         limit: score only the first `limit` images of the split.
-        device, batch_size, meteor, progress, decode_overrides: see `evaluate_records`.
+        device, batch_size, meteor, progress, boxes, decode_overrides: see `evaluate_records`.
     Raises:
         CaptionerError: a bad file, an empty split.
     """
@@ -120,13 +142,13 @@ def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: st
     data_cfg = ckpt.config.data
     captioner = Captioner.from_checkpoint(ckpts if len(ckpts) > 1 else ckpt, device)
     del ckpt, ckpts  # the optimiser state, if any, is not needed
-    return evaluate_split(captioner, data_cfg, split, data, image_root, limit, batch_size, meteor, progress,
+    return evaluate_split(captioner, data_cfg, split, data, image_root, limit, batch_size, meteor, progress, boxes,
                           **decode_overrides)
 
 
 def evaluate_split(captioner: Captioner, data_cfg: DataConfig, split: str = "test", data: str | None = None,
                    image_root: str | Path | None = None, limit: int | None = None, batch_size: int = 32,
-                   meteor: bool | None = None, progress: Progress | None = None,
+                   meteor: bool | None = None, progress: Progress | None = None, boxes: Boxes | None = None,
                    **decode_overrides: Any) -> tuple[Evaluation, str]:
     """Score `captioner` on `split` of the data set `data_cfg` describes (or of `data`, read with those
     settings): what `evaluate_checkpoint` does once it has the model, for any runtime."""
@@ -138,4 +160,5 @@ def evaluate_split(captioner: Captioner, data_cfg: DataConfig, split: str = "tes
     if not chosen:
         counts = ", ".join(f"{s} {sum(r.split == s for r in records)}" for s in SPLITS)
         raise CaptionerError(f"{data_cfg.path}: no images in split '{split}' ({counts}); choose another with --split")
-    return evaluate_records(captioner, chosen, batch_size, meteor, progress, **decode_overrides), str(data_cfg.path)
+    result = evaluate_records(captioner, chosen, batch_size, meteor, progress, boxes, **decode_overrides)
+    return result, str(data_cfg.path)
