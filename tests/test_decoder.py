@@ -42,21 +42,22 @@ def test_shapes_no_nans_and_alpha_rows_sum_to_one(gate, pooling, attend):
 
 @pytest.mark.parametrize("attend", ["before", "after"])
 @pytest.mark.parametrize("pooling", ["mean", "attention", "none"])
-@pytest.mark.parametrize("gate, position, feature_dim", [(True, True, 10), (False, False, 0)])
-def test_every_parameter_gets_a_gradient(attend, pooling, gate, position, feature_dim):
+@pytest.mark.parametrize("gate, position, feature_dim, scene", [(True, True, 10, True), (False, False, 0, False)])
+def test_every_parameter_gets_a_gradient(attend, pooling, gate, position, feature_dim, scene):
     """Under DDP a parameter that never gets a gradient stops training at the second step."""
     cfg = dataclasses.replace(CFG, init_pooling=pooling, attend=attend, gate=gate, position=position,
-                              feature_dim=feature_dim)
+                              feature_dim=feature_dim, global_context=scene, concepts=scene)
     dec = AttentionDecoder(V, D, cfg, grid=GRID)
     features, tokens, lengths = _batch()
-    caption_loss(dec(features, tokens, lengths), tokens).total.backward()
+    caption_loss(dec(features, tokens, lengths), tokens, concept_weight=1.0).total.backward()
     for name, p in dec.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
 @pytest.mark.parametrize("attend", ["before", "after"])
-def test_teacher_forced_forward_equals_stepping(attend):
-    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, attend=attend), grid=GRID).eval()
+@pytest.mark.parametrize("scene", [False, True], ids=["", "global-context"])
+def test_teacher_forced_forward_equals_stepping(attend, scene):
+    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, attend=attend, global_context=scene), grid=GRID).eval()
     features, tokens, lengths = _batch()
     out = dec(features, tokens, lengths)
     T = tokens.size(1) - 1
@@ -143,3 +144,16 @@ def test_attend_after_queries_with_the_word_just_read():
     assert after.init_hidden(after.memory(features)).shape == (2, CFG.hidden_dim + CFG.feature_dim)
     with pytest.raises(ConfigError, match="model.decoder.attend"):
         AttentionDecoder(V, D, dataclasses.replace(CFG, attend="later"), grid=GRID)
+
+
+def test_global_context_feeds_the_grids_mean_at_every_step():
+    """With global_context a step's output moves when the grid's mean moves, even with the attention's
+    own context held fixed: the scene reaches the GRU at every step, not only in the initial state."""
+    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, global_context=True, init_pooling="none"), grid=GRID).eval()
+    features, tokens, lengths = _batch()
+    memory = dec.memory(features)
+    state = dec.init_hidden(memory)
+    moved = dataclasses.replace(memory, features=memory.features + 1.0)  # same keys: the same maps
+    a, b = dec.step(tokens[:, 0], state, memory), dec.step(tokens[:, 0], state, moved)
+    torch.testing.assert_close(a.alpha, b.alpha)
+    assert not torch.allclose(a.hidden, b.hidden)

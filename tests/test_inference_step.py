@@ -10,12 +10,13 @@ from captioner.model.decoder import AttentionDecoder
 @pytest.mark.parametrize("table", [True, False], ids=["readout-table", "readout-matmul"])
 @pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
 @pytest.mark.parametrize("attend", ["before", "after"])
-def test_inference_step_is_the_decoders_step(attend, gate, table, monkeypatch):
+@pytest.mark.parametrize("scene", [False, True], ids=["", "global-context"])
+def test_inference_step_is_the_decoders_step(attend, gate, table, scene, monkeypatch):
     if not table:
         monkeypatch.setattr(inference, "READOUT_TABLE_MAX_VOCAB", 0)
     torch.manual_seed(0)
     cfg = DecoderConfig(embed_dim=16, hidden_dim=24, attention_dim=12, feature_dim=20, dropout=0.5, gate=gate,
-                        attend=attend)
+                        attend=attend, global_context=scene)
     decoder = AttentionDecoder(40, 30, cfg, grid=(3, 4), pad_id=0).eval()
     with torch.no_grad():
         for p in decoder.parameters():  # larger than the init: differences would show

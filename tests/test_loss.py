@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -96,3 +97,60 @@ def test_entropy_of_maps_with_exact_zeros_has_a_finite_gradient():
     assert loss.entropy.item() == pytest.approx(expected, rel=1e-5)
     loss.total.backward()
     assert torch.isfinite(scores.grad).all() and (scores.grad[~mask] == 0).all()
+
+
+# --- concept supervision: a word detector from the captions, and maps pulled towards it -----------
+
+def _concept_output(concepts, alphas, tokens):
+    """One photo (row 0) with one caption `tokens` (1, T + 1), its packed positions in order."""
+    T = tokens.size(1) - 1
+    return DecoderOutput(torch.zeros(T, concepts.size(-1)), alphas, torch.zeros(T, dtype=torch.long),
+                         torch.arange(T), torch.zeros(1, dtype=torch.long), concepts)
+
+
+def test_concept_detection_is_noisy_or_multiple_instance_learning():
+    from captioner.training.loss import concept_detection
+
+    V, L = 7, 4
+    tokens = torch.tensor([[1, 5, 2]])  # <start> w5 <end>: the photo shows word 5, not 4 or 6
+    rows = torch.zeros(1, dtype=torch.long)
+    right = torch.full((1, L, V), -8.0)
+    right[0, 2, 5] = 8.0  # one region shows word 5
+    wrong = torch.full((1, L, V), -8.0)
+    wrong[0, 2, 6] = 8.0  # a region claims word 6 instead
+    assert concept_detection(right, tokens, rows) < 0.01 < concept_detection(wrong, tokens, rows)
+    scores = torch.randn(1, L, V)
+    p = 1 - torch.prod(1 - torch.sigmoid(scores[0]), dim=0)  # (V,) noisy-OR
+    y = torch.tensor([0, 0, 0, 0, 0, 1, 0.0])
+    want = F.binary_cross_entropy(p[4:], y[4:])
+    torch.testing.assert_close(concept_detection(scores, tokens, rows), want, rtol=1e-4, atol=1e-5)
+
+
+def test_concept_attention_pulls_a_content_words_map_towards_its_detector():
+    from captioner.training.loss import concept_attention
+
+    V, L = 7, 4
+    tokens = torch.tensor([[1, 4, 5, 2]])  # <start> the(4) dog(5) <end>
+    concepts = torch.zeros(1, L, V)
+    concepts[0, 3, 5] = 10.0  # the detector finds "dog" in region 3
+    alphas = torch.full((3, L), 1.0 / L, requires_grad=True)
+    content = torch.tensor([False] * 5 + [True, True])  # "the" is a function word: not pulled
+    out = _concept_output(concepts, alphas, tokens)
+    loss = concept_attention(out, tokens[0, 1:], content)
+    loss.backward()
+    assert alphas.grad[0].abs().sum() == 0 and alphas.grad[2].abs().sum() == 0  # "the" and <end>
+    assert alphas.grad[1, 3] < 0 and (alphas.grad[1, :3] > alphas.grad[1, 3]).all()  # more weight on region 3
+    # the teacher is detached: the detector is not pulled towards the maps
+    concepts.requires_grad_(True)
+    fresh = torch.full((3, L), 1.0 / L, requires_grad=True)
+    concept_attention(_concept_output(concepts, fresh, tokens), tokens[0, 1:], content).backward()
+    assert concepts.grad is None and fresh.grad is not None
+
+
+def test_a_concept_weight_needs_the_detector():
+    from captioner.config import Config, ConfigError, ModelConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="model.decoder.concepts"):
+        Config(train=TrainConfig(concept_weight=1.0))
+    Config(train=TrainConfig(concept_weight=1.0), model=ModelConfig(decoder=dataclasses.replace(
+        ModelConfig().decoder, concepts=True)))

@@ -34,7 +34,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
     "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
-              "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0",
+              "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
     "decode": {"beam_size": ">= 1", "max_length": ">= 2", "length_penalty": ">= 0", "no_repeat_ngram": ">= 0"},
@@ -126,6 +126,12 @@ class DecoderConfig(_Section):
     # "before": attend with the state from before the previous word was read (Show, Attend and Tell);
     # "after": read it first, then attend with the new state, so the query knows the word just written
     attend: Literal["before", "after"] = "before"
+    # the GRU reads the grid's mean at every step (Up-Down's pooled image feature): the scene is always
+    # at hand, so a map need not spread over it
+    global_context: bool = False
+    # a per-region word detector trained from the captions alone (multiple-instance learning); with
+    # train.concept_weight it shows the attention where each content word's evidence is
+    concepts: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,9 @@ class TrainConfig(_Section):
     # flickr8k-800's 64 regions (val CIDEr 0.531 vs 0.495 at 1.0 summed).
     coverage_weight: float = 6.4
     entropy_weight: float = 0.0  # attention entropy penalty: sharper maps, one object per look
+    # pull the map of the step writing a content word towards where the word detector finds it
+    # (model.decoder.concepts); the detector itself learns from which words a photo's captions use
+    concept_weight: float = 0.0
     label_smoothing: float = 0.0
     scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
@@ -203,6 +212,8 @@ class Config(_Section):
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
+        if self.train.concept_weight and not self.model.decoder.concepts:
+            raise ConfigError("config key 'train.concept_weight': needs the word detector, model.decoder.concepts: true")
         if self.data.augment and self.data.use_cache and self.model.encoder.trainable_stages == 0:
             raise ConfigError("config key 'data.augment': true has no effect with the feature cache of a frozen "
                               "encoder (set data.use_cache=false, or fine-tune with model.encoder.trainable_stages)")

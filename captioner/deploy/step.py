@@ -56,8 +56,11 @@ class InferenceStep(nn.Module):
         w_ih, w_r = d.cell.weight_ih, d.readout.weight  # (3H, E + D), (V, H + D + E)
         self.hidden_dim, self.attend_after = H, d.attend_after
         with torch.no_grad():
+            D = d.attention.key_proj.in_features
             self.gates_of_token = _frozen(table @ w_ih[:, :E].T + d.cell.bias_ih)  # (V, 3H)
-            self.w_ih_context = _frozen(w_ih[:, E:])  # (3H, D)
+            self.w_ih_context = _frozen(w_ih[:, E : E + D])  # (3H, D)
+            # with global_context the GRU also reads the grid's mean: (3H, D), else None
+            self.w_ih_scene = _frozen(w_ih[:, E + D :]) if d.global_context else None
             self.w_hh, self.b_hh = _frozen(d.cell.weight_hh), _frozen(d.cell.bias_hh)  # (3H, H), (3H,)
             self.query = _frozen(2 * d.attention.query_proj.weight)  # (A, H)
             self.score = _frozen(2 * d.attention.score.weight.T)  # (A, 1)
@@ -84,9 +87,11 @@ class InferenceStep(nn.Module):
             context = torch.sigmoid(hidden @ self.gate_w.T + self.gate_b) * context
         return context, alpha
 
-    def _gru(self, tokens: Tensor, inputs: Tensor, hidden: Tensor) -> Tensor:
-        """torch's GRUCell on [embed(token); inputs] (R, E + D) with the embedding half from the table."""
+    def _gru(self, tokens: Tensor, inputs: Tensor, hidden: Tensor, features: Tensor) -> Tensor:
+        """torch's GRUCell on [embed(token); inputs (; mean of features)] with the embedding part from the table."""
         x = self.gates_of_token[tokens] + inputs @ self.w_ih_context.T  # (R, 3H)
+        if self.w_ih_scene is not None:
+            x = x + features.mean(dim=1) @ self.w_ih_scene.T  # (R, D) @ (D, 3H)
         h = hidden @ self.w_hh.T + self.b_hh  # (R, 3H)
         x_r, x_z, x_n = x.chunk(3, dim=-1)
         h_r, h_z, h_n = h.chunk(3, dim=-1)
@@ -97,12 +102,12 @@ class InferenceStep(nn.Module):
     def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.attend_after:
             hidden, previous = state.split([self.hidden_dim, state.size(-1) - self.hidden_dim], -1)  # (R, H), (R, D)
-            hidden = self._gru(tokens, previous, hidden)
+            hidden = self._gru(tokens, previous, hidden, features)
             context, alpha = self._attend(hidden, features, keys2)
             new_state = torch.cat([hidden, context], dim=-1)  # (R, H + D)
         else:
             context, alpha = self._attend(state, features, keys2)
-            hidden = new_state = self._gru(tokens, context, state)  # (R, H)
+            hidden = new_state = self._gru(tokens, context, state, features)  # (R, H)
         logits = torch.cat([hidden, context], dim=-1) @ self.w_r_state.T  # (R, V)
         if self.readout_of_token is not None:
             logits = logits + self.readout_of_token[tokens]

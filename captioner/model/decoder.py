@@ -19,6 +19,16 @@ so the query knows which word was just written; the GRU reads the previous step'
     logits = Linear(dropout([h'; context; embed(y)]))
 and the state carried between steps is [h'; context] (B, H + D), c = 0 at the first step.
 
+With `global_context` the GRU also reads the grid's mean at every step (the mean-pooled image
+feature of Up-Down, Anderson et al. 2018): what the photo is about is always at hand, so attention
+need only say *where*, and nothing asks a map to spread over the scene to carry it.
+
+With `concepts` a linear word detector scores every region of the encoder's grid for every word
+of the vocabulary (multiple-instance learning from the captions alone, Fang et al. 2015: a word is
+in a photo's captions when some region shows it). Training pulls the attention of the step that
+writes a content word towards where its detector fires (`train.concept_weight`); the decoder never
+reads the detector, so the maps stay what the decoder used.
+
 Before all of this, once per image, the regions are projected from the encoder's width to
 `feature_dim` (ReLU(Linear)) and given learned row + column embeddings. CNN features say *what*
 is in a region but hardly *where* it is; with the position term the query can ask for "the
@@ -69,12 +79,16 @@ class DecoderOutput:
 
     logits: (P, V); alphas: (P, L); caption: (P,) int64 index of the caption (0..B-1) and
     step: (P,) int64 position t of each row, so row p predicts tokens[caption[p], step[p] + 1].
+    rows: (B,) int64 the image (row of the batch's grids) of each caption.
+    concepts: (N, L, V) the word detector's score of every region for every word, or None.
     """
 
     logits: Tensor
     alphas: Tensor
     caption: Tensor
     step: Tensor
+    rows: Tensor | None = None
+    concepts: Tensor | None = None
 
     def padded(self, x: Tensor, batch: int, steps: int) -> Tensor:
         """Packed (P, ...) -> (batch, steps, ...) with zeros at the padded positions."""
@@ -119,7 +133,11 @@ class AttentionDecoder(nn.Module):
         # would stop DDP at its second step.
         self.init_h = nn.Linear(D, H) if cfg.init_pooling != "none" else None
         self.attend_after = cfg.attend == "after"
-        self.cell = nn.GRUCell(E + D, H)
+        self.global_context = cfg.global_context
+        self.cell = nn.GRUCell(E + D + (D if cfg.global_context else 0), H)
+        self.concepts = nn.Linear(feature_dim, vocab_size) if cfg.concepts else None
+        if self.concepts is not None:
+            nn.init.constant_(self.concepts.bias, -6.0)  # a word is rare in a region: noisy-OR starts near 0
         self.dropout = nn.Dropout(cfg.dropout)
         self.readout = nn.Linear(H + D + E, vocab_size)
 
@@ -152,9 +170,10 @@ class AttentionDecoder(nn.Module):
     def _advance(self, emb: Tensor, state: Tensor, memory: Memory) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Attend and update the state, in the order `attend` says. Returns the new state (B, H) or
         (B, H + D), the new h (B, H) for the readout, context (B, D), alpha (B, L)."""
+        scene = [memory.features.mean(dim=1)] if self.global_context else []  # (B, D): the grid's mean
         if self.attend_after:
             hidden, previous = state.split([self.hidden_dim, state.size(-1) - self.hidden_dim], -1)  # (B, H), (B, D)
-            hidden = self.cell(torch.cat([emb, previous], dim=-1), hidden)  # (B, E + D) -> (B, H)
+            hidden = self.cell(torch.cat([emb, previous, *scene], dim=-1), hidden)  # (B, E + D [+ D]) -> (B, H)
         else:
             hidden = state  # (B, H)
         context, alpha = self.attention(memory.keys, memory.features, hidden)  # (B, D), (B, L)
@@ -162,7 +181,7 @@ class AttentionDecoder(nn.Module):
             context = torch.sigmoid(self.gate(hidden)) * context  # (B, D)
         if self.attend_after:
             return torch.cat([hidden, context], dim=-1), hidden, context, alpha  # state (B, H + D)
-        hidden = self.cell(torch.cat([emb, context], dim=-1), hidden)  # (B, E + D) -> (B, H)
+        hidden = self.cell(torch.cat([emb, context, *scene], dim=-1), hidden)  # (B, E + D [+ D]) -> (B, H)
         return hidden, hidden, context, alpha
 
     def _logits(self, hidden: Tensor, context: Tensor, emb: Tensor) -> Tensor:
@@ -225,4 +244,5 @@ class AttentionDecoder(nn.Module):
             logits = self._logits(torch.cat(hiddens), torch.cat(contexts), torch.cat(embs))  # (P, V)
         caption = torch.cat([order[:n] for n in sizes])  # (P,)
         step = torch.cat([torch.full((n,), t, dtype=torch.long, device=order.device) for t, n in enumerate(sizes)])
-        return DecoderOutput(logits, torch.cat(alphas), caption, step)
+        concepts = self.concepts(features) if self.concepts is not None else None  # (N, L, V)
+        return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts)

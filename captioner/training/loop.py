@@ -262,7 +262,7 @@ def fit(run: Run, stop_after_steps: int | None = None, request: StopRequest | No
     seen by `request` ends it the same way, after the step it arrived in (on every rank together)."""
     tc, st = run.cfg.train, run.state
     stopped_by: int | None = None
-    criterion = build_criterion(tc)
+    criterion = build_criterion(tc, run.vocab)
     per_epoch = run.steps_per_epoch
     stop = tc.patience > 0 and st.bad_validations >= tc.patience  # resumed after an early stop
     early = stop

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from captioner.config import TrainConfig
+from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
 from captioner.model.decoder import DecoderOutput
 
 
@@ -35,6 +36,8 @@ def caption_loss(
     coverage_weight: float = 0.0,
     entropy_weight: float = 0.0,
     label_smoothing: float = 0.0,
+    concept_weight: float = 0.0,
+    content: Tensor | None = None,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -48,6 +51,10 @@ def caption_loss(
         entropy_weight: asks each word to commit to few regions instead of blending several
             objects into one look.
         label_smoothing: passed to cross-entropy.
+        concept_weight: pulls the map of each content word towards its detector's map (needs
+            `out.concepts`); the detector's own loss (`concept_detection`) is added whenever the
+            decoder has one.
+        content: (V,) bool, the words whose maps are pulled (not function words, not <end>).
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
@@ -61,10 +68,55 @@ def caption_loss(
         alphas = out.alphas.float()  # (P, L)
         # clamped inside the log: 0 log 0 = 0 with a finite gradient (xlogy's would be infinite)
         entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(dim=-1).mean()
-    return LossOutput(xent + coverage_weight * coverage + entropy_weight * entropy, xent, coverage, entropy, zero)
+    total = xent + coverage_weight * coverage + entropy_weight * entropy
+    if out.concepts is not None:
+        total = total + concept_detection(out.concepts, tokens, out.rows)
+        if concept_weight:
+            total = total + concept_weight * concept_attention(out, targets, content)
+    return LossOutput(total, xent, coverage, entropy, zero)
 
 
-def build_criterion(cfg: TrainConfig) -> Criterion:
+def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor) -> Tensor:
+    """Multiple-instance learning of the word detector: a photo shows word w when some region does,
+    p(w) = 1 - prod_regions (1 - sigmoid(s_lw)) (noisy-OR), trained with binary cross-entropy against
+    the words of the photo's captions in the batch (<pad>/<start>/<end>/<unk> excluded).
+
+    Args:
+        concepts: (N, L, V) region scores. tokens: (B, T + 1) captions. rows: (B,) their photos.
+    """
+    N, _, V = concepts.shape
+    present = torch.zeros(N, V, device=concepts.device)  # (N, V)
+    present[rows[:, None].expand_as(tokens), tokens] = 1.0
+    log_absent = -F.softplus(concepts.float()).sum(dim=1)  # (N, V) log prod (1 - sigmoid) = log(1 - p)
+    log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))  # (N, V) log p
+    nll = -(present * log_present + (1 - present) * log_absent)  # (N, V)
+    return nll[:, 4:].mean()  # the four special ids are never words of a photo
+
+
+def concept_attention(out: DecoderOutput, targets: Tensor, content: Tensor | None) -> Tensor:
+    """Cross-entropy from the word detector's map of each content word (softmax over regions,
+    detached: the detector is the teacher, not the student) to the attention of the step writing it.
+
+    Args:
+        out: packed pass with `concepts` (N, L, V) and `rows`. targets: (P,) the word of each position.
+        content: (V,) bool, which words are pulled; None = every word but the special ids.
+    """
+    keep = targets >= 4 if content is None else content.to(targets.device)[targets]  # (P,)
+    if not bool(keep.any()):
+        return out.alphas.new_zeros(())
+    image = out.rows[out.caption[keep]]  # (P',)
+    scores = out.concepts.detach().float()[image, :, targets[keep]]  # (P', L) the word's region scores
+    teacher = torch.softmax(scores, dim=-1)  # (P', L)
+    return -(teacher * out.alphas[keep].float().clamp_min(1e-12).log()).sum(dim=-1).mean()
+
+
+def content_words(vocab: Vocabulary) -> Tensor:
+    """(V,) bool: the words whose maps concept supervision pulls (not function words, not special)."""
+    return torch.tensor([i >= 4 and vocab.word(i) not in FUNCTION_WORDS for i in range(len(vocab))])
+
+
+def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None) -> Criterion:
     """`caption_loss` with the config's weights: (packed decoder output, tokens) -> LossOutput."""
+    content = content_words(vocab) if vocab is not None and cfg.concept_weight else None
     return functools.partial(caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
-                             label_smoothing=cfg.label_smoothing)
+                             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, content=content)
