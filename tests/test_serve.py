@@ -12,8 +12,9 @@ from captioner.cli import main
 from captioner.decoding.captioner import Captioner
 from captioner.serve.app import Limits, create_app
 from captioner.serve.batcher import Batcher, Options
+from captioner.serve.page import examples_for
 
-from servers import sharp_checkpoint
+from servers import Server, sharp_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def captioner(checkpoint):
 @pytest.fixture(scope="module")
 def client(captioner):
     app = create_app(captioner, "sharp.pt", Limits(max_bytes=200_000, max_pixels=1_000_000), max_batch=8,
-                     max_delay_ms=20)
+                     max_delay_ms=20, examples=examples_for("shapes"))
     with TestClient(app) as c:
         yield c
 
@@ -188,3 +189,108 @@ def test_caption_json_matches_the_cli(checkpoint, tmp_path, capsys, client):
     api = client.post("/api/caption", content=_png(3)).json()
     for key in ("caption", "tokens", "score", "logprob", "finished", "attention", "cells"):
         assert api[key] == cli[key], key
+
+
+class _FailingModel(Captioner):
+    """A model that fails on the model thread (`caption_pixels`) or on the request thread (`preprocess`)."""
+
+    def __init__(self, captioner: Captioner, where: str) -> None:
+        super().__init__(captioner.model, captioner.vocab, captioner.decode, "cpu")
+        self.where = where
+
+    def caption_pixels(self, *args, **kwargs):
+        if self.where == "model":
+            raise RuntimeError("CUDA out of memory")
+        return super().caption_pixels(*args, **kwargs)
+
+    def preprocess(self, image):
+        if self.where == "request":
+            raise RuntimeError("a bug in the preprocessing")
+        return super().preprocess(image)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("model", "the model failed on this image (RuntimeError)"),
+    ("request", "the server failed on this request (RuntimeError); its log has the details"),
+])
+def test_a_failure_is_a_json_500_and_the_server_goes_on(captioner, where, message):
+    app = create_app(_FailingModel(captioner, where), "failing.pt")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/api/caption", content=_png())
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        assert r.json() == {"error": message}
+        assert client.get("/api/health").json()["status"] == "ok"
+        assert client.post("/api/caption?beam=0", content=_png()).status_code == 422
+
+
+def test_unknown_paths_and_methods_are_json_too(client):
+    assert client.get("/api/nothing").json() == {"error": "Not Found"}
+    r = client.get("/api/caption")
+    assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
+
+
+def test_the_model_and_its_batcher_live_on_app_state_for_the_lifespan(captioner):
+    app = create_app(captioner, "sharp.pt")
+    outside = TestClient(app)  # no lifespan: nothing served yet
+    assert outside.get("/api/health").json() == {"status": "starting"}
+    assert outside.get("/api/model").status_code == 503
+    with TestClient(app) as client:
+        assert app.state.captioner is captioner and app.state.batcher.stats.images == 0
+        assert client.post("/api/caption", content=_png()).status_code == 200
+        batcher = app.state.batcher
+    assert app.state.batcher is None and app.state.captioner is None
+    with pytest.raises(RuntimeError, match="closed"):  # the model thread stopped with the app
+        batcher.submit(PIL.Image.new("RGB", (8, 8)), Options(1, 4))
+
+
+def test_the_docs_show_the_caption_schema(client):
+    spec = client.get("/openapi.json").json()
+    ok = spec["paths"]["/api/caption"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ok == {"$ref": "#/components/schemas/CaptionResult"}
+    result = spec["components"]["schemas"]["CaptionResult"]
+    assert {"caption", "tokens", "attention", "cells", "focus", "alternatives", "word_logprobs"} <= set(result["properties"])
+    assert {"caption", "tokens", "attention"} <= set(result["required"]) and "alternatives" not in result["required"]
+    error = spec["paths"]["/api/caption"]["post"]["responses"]["415"]["content"]["application/json"]["schema"]
+    assert error == {"$ref": "#/components/schemas/Error"}
+    parameters = spec["paths"]["/api/caption"]["post"]["parameters"]
+    assert [p["name"] for p in parameters][:3] == ["beam", "max_length", "alternatives"]
+    assert spec["paths"]["/api/model"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ModelInfo"}
+    assert "swagger-ui" in client.get("/docs").text
+
+
+def test_examples_suit_the_model(captioner, tmp_path):
+    assert examples_for("shapes").keys() == {"one-shape.png", "side-by-side.png", "three-shapes.png", "two-shapes.png"}
+    assert examples_for("/data/flickr8k") == {}  # a photo model is offered no drawn shapes
+    (tmp_path / "dog.jpg").write_bytes(b"jpeg")
+    (tmp_path / "notes.txt").write_text("not an image")
+    assert examples_for("/data/flickr8k", tmp_path) == {"dog.jpg": tmp_path / "dog.jpg"}
+
+    with TestClient(create_app(captioner, "photo.pt", examples=examples_for("/data/flickr8k", tmp_path))) as client:
+        assert client.get("/api/model").json()["examples"] == ["dog.jpg"]
+        assert client.get("/examples/dog.jpg").content == b"jpeg"
+        for name in ("notes.txt", "two-shapes.png", "..%2Fnotes.txt"):  # only the files listed at start
+            r = client.get(f"/examples/{name}")
+            assert r.status_code == 404 and r.headers["content-type"] == "application/json", name
+
+
+def test_a_client_that_goes_away_mid_upload_is_one_log_line(checkpoint):
+    """Through uvicorn as a user runs it: a raw socket sends headers promising 100 kB, half of them, and
+    closes; the server logs one line (no traceback) and goes on answering."""
+    import socket
+    import urllib.request
+
+    server = Server(checkpoint)
+    try:
+        host, port = server.url.split("//")[1].rstrip("/").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /api/caption HTTP/1.1\r\nHost: test\r\nContent-Type: image/png\r\n"
+                         b"Content-Length: 100000\r\n\r\n" + _png()[:50_000])
+        with urllib.request.urlopen(urllib.request.Request(f"{server.url}api/caption", data=_png(),
+                                                           method="POST")) as answer:
+            assert answer.status == 200 and json.load(answer)["tokens"]
+    finally:
+        assert server.stop() == 0
+    log = server.process.stdout.read().splitlines()
+    assert log[-1] == "stopped"
+    assert len(log) == 2 and "went away during its upload to /api/caption" in log[0], log

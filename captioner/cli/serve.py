@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from pathlib import Path
 
 from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
 from captioner.errors import CaptionerError
@@ -23,6 +24,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="most requests captioned in one batch (default 16)")
     p.add_argument("--max-delay-ms", type=float, default=5.0,
                    help="how long the first waiting request waits for others to join its batch (default 5)")
+    p.add_argument("--examples", metavar="DIR", type=Path,
+                   help="example images to offer on the page (default: the drawn shapes for a model trained on "
+                        "the built-in shapes set, none for any other)")
     p.set_defaults(func=run)
 
 
@@ -42,6 +46,26 @@ def _listen(host: str, port: int) -> socket.socket:
         raise CaptionerError(f"{host}:{port}: cannot listen there ({e.strerror or e})") from None
 
 
+def _trained_on(args: argparse.Namespace) -> str:
+    """The data.path of the (first) model's training config: "shapes" for the built-in set."""
+    if args.runtime == "onnx":
+        from captioner.deploy.runtime import exported_data
+
+        try:
+            return exported_data(args.checkpoint[0]).path
+        except CaptionerError:  # an export older than the manifest's data settings: a model of unknown data
+            return ""
+    from captioner.model.checkpoint import load_checkpoint
+
+    return load_checkpoint(args.checkpoint[0]).config.data.path
+
+
+def _examples(args: argparse.Namespace) -> dict[str, Path]:
+    from captioner.serve.page import examples_for
+
+    return examples_for(_trained_on(args), args.examples)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -49,12 +73,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_mb <= 0 or args.max_pixels <= 0 or args.max_batch < 1 or args.max_delay_ms < 0:
         raise CaptionerError("--max-mb, --max-pixels and --max-batch must be positive, --max-delay-ms >= 0")
+    if args.examples is not None and not args.examples.is_dir():
+        raise CaptionerError(f"--examples {args.examples}: not a folder")
     settings = decode_overrides(args)
     sock = _listen(args.host, args.port)
     captioner = load_captioner(args)
     captioner.decode = captioner.decode_config(**settings)
     limits = Limits(max_bytes=int(args.max_mb * 2**20), max_pixels=args.max_pixels)
-    app = create_app(captioner, " ".join(args.checkpoint), limits, args.max_batch, args.max_delay_ms)
+    app = create_app(captioner, " ".join(args.checkpoint), limits, args.max_batch, args.max_delay_ms,
+                     _examples(args))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {' + '.join(args.checkpoint)} at http://{shown}:{port}/  (API docs at /docs; Ctrl-C to stop)",

@@ -3,14 +3,23 @@
 The size limit holds before anything large is read: a Content-Length over it is refused at once, and
 a body sent without one (chunked) is cut off as soon as it passes the limit. Nothing goes to disk
 (Starlette's own form parser spools uploads over 1 MB to a temporary file).
+
+A client that goes away in the middle of its upload is one line in the log (no traceback: nothing
+is wrong with the server), and its request ends there.
 """
 from __future__ import annotations
 
-from fastapi import Request
+import logging
+
+from fastapi import HTTPException, Request
 from python_multipart.multipart import MultipartParser, parse_options_header
-from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+log = logging.getLogger(__name__)
 
 FIELD = "image"
+# nginx's status for a client that closed its connection; nobody is left to read the answer.
+CLIENT_CLOSED = 499
 
 
 def _too_large(limit: int) -> HTTPException:
@@ -23,11 +32,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.warning("%s went away during its upload to %s (%d of %s bytes sent)", client, request.url.path, size,
+                    length or "?")
+        raise HTTPException(CLIENT_CLOSED, "the client went away during its upload") from None
     return b"".join(chunks)
 
 

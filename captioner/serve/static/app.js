@@ -305,9 +305,9 @@ async function start() {
   for (const name of model.examples) {
     const button = document.createElement("button");
     button.type = "button";
-    button.setAttribute("aria-label", `Example: ${name.replace(/\.png$/, "").replace(/-/g, " ")}`);
+    button.setAttribute("aria-label", `Example: ${name.replace(/\.[a-z]+$/i, "").replace(/[-_]/g, " ")}`);
     const img = document.createElement("img");
-    img.src = `/static/examples/${name}`;
+    img.src = `/examples/${encodeURIComponent(name)}`;
     img.alt = "";
     button.append(img);
     button.addEventListener("click", async () => {
