@@ -1,0 +1,110 @@
+"""The whole Flickr8k recipe, end to end, as a user runs it: feature cache, cross-entropy training,
+self-critical fine-tuning, then both models scored on the official dev list (caption metrics and
+the pointing game on the hand-boxed dev photos), with each stage's wall time and peak memory.
+
+    python scripts/flickr8k.py --data ../shared/data/flickr8k --out runs/flickr8k-recipe
+
+Each stage is the `captioner` command a user would type, run as its own process; a stage whose
+output already exists is skipped (so a second run only re-scores), unless --fresh. Prints one
+table: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D, distinct words, grounding hit rate and mass (with the
+centre-point and even-map baselines) and minutes, for the cross-entropy and the SCST model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CAPTIONER = [sys.executable, "-m", "captioner.cli"]
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="../shared/data/flickr8k", help="the Flickr8k folder (Flickr8k.token.txt, Images/)")
+    p.add_argument("--out", default="runs/flickr8k-recipe", help="folder for both runs and the reports")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (OMP_NUM_THREADS)")
+    p.add_argument("--config", default="flickr8k", help="the cross-entropy config")
+    p.add_argument("--scst-config", default="flickr8k-scst", help="the self-critical config ('' = skip SCST)")
+    p.add_argument("--fresh", action="store_true", help="delete --out first and run every stage")
+    p.add_argument("overrides", nargs="*", help="section.key=value for the cross-entropy run")
+    return p
+
+
+def stage(name: str, command: list[str], env: dict[str, str], log: Path) -> float:
+    """Run one command, its output into `log`; returns its wall time in seconds (exits on failure)."""
+    print(f"{name}: {' '.join(command[2:])}", flush=True)
+    tick = time.perf_counter()
+    with log.open("w") as f:
+        code = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env)
+    seconds = time.perf_counter() - tick
+    if code != 0:
+        sys.exit(f"{name} failed (exit {code}); see {log}")
+    print(f"{name}: {seconds / 60:.1f} min", flush=True)
+    return seconds
+
+
+def row(report: dict) -> dict[str, float]:
+    m, g = report["metrics"], report.get("grounding") or {}
+    out = {k: m.get(k, float("nan")) for k in ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")}
+    out["words"] = report["diversity"]["distinct_words"]
+    every = g.get("all", {})
+    out.update(hit=every.get("hit_rate", float("nan")), centre=every.get("centre_hit_rate", float("nan")),
+               mass=every.get("mean_mass", float("nan")), even=every.get("even_mass", float("nan")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    out, data = Path(args.out), Path(args.data)
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    xent, scst = out / "xent", out / "scst"
+    minutes: dict[str, float] = {}
+    if not (xent / "best.pt").exists():
+        minutes["cache"] = stage("cache", CAPTIONER + ["prepare", "--config", args.config, "--data", str(data),
+                                                       "--out", str(xent)], env, out / "prepare.log") / 60
+        minutes["xent"] = stage("cross-entropy", CAPTIONER + ["train", "--config", args.config, "--data", str(data),
+                                                              "--out", str(xent), "--overwrite", *args.overrides],
+                                env, out / "xent.log") / 60
+    if args.scst_config and not (scst / "best.pt").exists():
+        minutes["scst"] = stage("scst", CAPTIONER + ["train", "--config", args.scst_config, "--init",
+                                                     str(xent / "best.pt"), "--data", str(data), "--out", str(scst),
+                                                     "--overwrite"], env, out / "scst.log") / 60
+    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    rows = {}
+    for name, run in (("cross-entropy", xent), ("SCST", scst)):
+        if not (run / "best.pt").exists():
+            continue
+        report = out / f"dev-{run.name}.json"
+        stage(f"evaluate {name}", CAPTIONER + ["evaluate", "--checkpoint", str(run / "best.pt"), "--split", "val",
+                                                "--data", str(data), "--boxes", str(data / "boxes-dev.jsonl"),
+                                                "--out", str(report)], env, out / f"evaluate-{run.name}.log")
+        rows[name] = row(json.loads(report.read_text()))
+    print_table(rows, minutes, peak_gb)
+    return 0
+
+
+def print_table(rows: dict[str, dict[str, float]], minutes: dict[str, float], peak_gb: float) -> None:
+    print("\nFlickr8k dev (970 photos; grounding over the object words of the hand-boxed dev photos)")
+    head = ["B-1", "B-2", "B-3", "B-4", "METEOR", "ROUGE-L", "CIDEr-D", "words", "hit", "centre", "mass", "even"]
+    print(f"{'model':<15}" + "".join(f"{h:>9}" for h in head))
+    for name, r in rows.items():
+        values = [r["Bleu_1"], r["Bleu_2"], r["Bleu_3"], r["Bleu_4"], r["METEOR"], r["ROUGE_L"], r["CIDEr"]]
+        cells = [f"{v:>9.3f}" for v in values] + [f"{r['words']:>9.0f}"]
+        cells += [f"{r[k]:>9.3f}" for k in ("hit", "centre", "mass", "even")]
+        print(f"{name:<15}" + "".join(cells))
+    if minutes:
+        spent = ", ".join(f"{k} {v:.1f}" for k, v in minutes.items())
+        print(f"minutes: {spent}; total {sum(minutes.values()):.1f}; peak RSS of a stage {peak_gb:.2f} GB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
