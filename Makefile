@@ -19,4 +19,8 @@ demo: venv
 test: venv
 	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal
 
-.PHONY: venv demo test
+# For development: everything but the tests marked slow (the demo, the browser, real data). CI runs `make test`.
+test-fast: venv
+	$(VENV)/bin/python -m pytest -q -n 2 --dist worksteal -m "not slow"
+
+.PHONY: venv demo test test-fast
