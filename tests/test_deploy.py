@@ -83,6 +83,27 @@ def test_onnx_runtime_captions_exactly_as_torch(each_exported):
         assert [a.tokens for a in o.alternatives] == [a.tokens for a in t.alternatives]
 
 
+def test_onnx_runtime_forces_a_given_caption_as_torch(each_exported, tmp_path, capsys):
+    """`caption(text=)` drives the exported step graph through teacher forcing: the same word
+    log-probabilities and maps as the torch decoder; `--text` works with `--runtime onnx`."""
+    checkpoint, report = each_exported
+    text = "a blue square to the left of a red circle"
+    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(_images(3), text=text)
+    onnx_captions = onnx_captioner(report.folder).caption(_images(3), text=text)
+    for t, o in zip(torch_captions, onnx_captions):
+        assert o.tokens == t.tokens == text.split() and o.finished
+        np.testing.assert_allclose(o.word_logprobs, t.word_logprobs, atol=1e-4)
+        assert o.logprob == pytest.approx(t.logprob, abs=1e-4) and o.score == pytest.approx(t.score, abs=1e-4)
+        np.testing.assert_allclose(o.attention, t.attention, atol=1e-4)
+    image = tmp_path / "photo.png"
+    _images(1)[0].save(image)
+    assert main(["caption", str(image), "--checkpoint", str(report.folder), "--runtime", "onnx", "--text", text,
+                 "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["tokens"] == text.split()
+    np.testing.assert_allclose(row["word_logprobs"], torch_captions[0].word_logprobs, atol=1e-4)
+
+
 def test_a_checkpoint_is_exported_once_into_the_cache(exported, monkeypatch, tmp_path):
     checkpoint, _ = exported
     monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path))

@@ -1,4 +1,5 @@
-"""`captioner caption`: one line (or one JSON line, with per-word attention) per image."""
+"""`captioner caption`: one line (or one JSON line, with per-word attention) per image; with `--text`,
+the given words on each image, each with its log-probability."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
+from captioner.cli.common import (add_decode_options, add_device, add_runtime, add_text, decode_overrides,
+                                  load_captioner, word_logprobs)
 from captioner.errors import CaptionerError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -21,7 +23,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_decode_options(p)
     add_runtime(p)
     p.add_argument("--json", action="store_true",
-                   help="JSON lines: path, caption, tokens, score, attention (per word, rows x cols, sums to 1)")
+                   help="JSON lines: path, caption, tokens, score, attention (per word, rows x cols, sums to 1), "
+                        "word_logprobs (with --text)")
+    add_text(p, "score every image with")
     p.set_defaults(func=run)
 
 
@@ -56,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     if not paths:
         raise CaptionerError(problems[0] if len(problems) == 1 else f"{' '.join(args.images)}: no image files found")
     captioner = load_captioner(args)
+    if args.text is not None:
+        from captioner.decoding.forced import text_ids
+
+        text_ids(args.text, captioner.vocab)  # an unknown word: one line now, before any image is read
+        settings["text"] = args.text
     for problem in problems:
         print(f"captioner: error: {problem}", file=sys.stderr, flush=True)
     failed = len(problems)
@@ -65,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             failed += 1
         elif args.json:
             print(json.dumps(result.to_json()), flush=True)
+        elif args.text is not None:
+            print(f"{path}\t{result.text}\t{word_logprobs(result)}", flush=True)
         else:
             print(f"{path}\t{result.text}", flush=True)
     if failed:

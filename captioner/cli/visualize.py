@@ -1,9 +1,11 @@
-"""`captioner visualize`: the photo, then one panel per word with where the model looked."""
+"""`captioner visualize`: the photo, then one panel per word with where the model looked (for its own
+caption, or with `--text` for the words given)."""
 from __future__ import annotations
 
 import argparse
 
-from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
+from captioner.cli.common import (add_decode_options, add_device, add_runtime, add_text, decode_overrides,
+                                  load_captioner, word_logprobs)
 from captioner.errors import CaptionerError
 from captioner.files import writable_dir, writable_file
 
@@ -14,6 +16,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("image", metavar="IMG", help="the image to caption")
     add_decode_options(p)
     add_runtime(p)
+    add_text(p, "draw where the model would look for")
     p.add_argument("-o", "--out", required=True, help="PNG to write: the photo, then one panel per word")
     p.add_argument("--per-word", metavar="DIR", help="also write one PNG per word into DIR")
     p.add_argument("--gif", metavar="OUT.gif", help="also write an animated GIF, one frame per word")
@@ -36,11 +39,11 @@ def run(args: argparse.Namespace) -> int:
         raise CaptionerError(f"--opacity must be in [0, 1], got {args.opacity}")
     image = load_image(args.image)
     captioner = load_captioner(args)
-    (caption,) = captioner.caption([image], **settings)
+    (caption,) = captioner.caption([image], text=args.text, **settings)
     caption.path = args.image
     out = plot_attention(image, caption, args.out, per_word_dir=args.per_word, gif_path=args.gif,
                          opacity=args.opacity)
-    print(f"{args.image}\t{caption.text}")
+    print(f"{args.image}\t{caption.text}" + (f"\t{word_logprobs(caption)}" if args.text is not None else ""))
     print(f"wrote {out}")
     if args.per_word:
         print(f"wrote {len(caption.tokens)} PNGs to {args.per_word}")

@@ -2,6 +2,8 @@
 
     search.py      batched beam search (K = 1 is greedy), each word with its attention map
     captioner.py   `Captioner`: the Python API, images or files -> `Caption`s
+    caption.py     `Caption`: the words, their scores, each word's map, the JSON
+    forced.py      teacher forcing: a given caption's word log-probabilities and maps (`caption(text=)`)
     metrics.py     BLEU, METEOR, ROUGE-L, CIDEr-D through pycocoevalcap
     grounding.py   did the model look at the object a word names?
     evaluation.py  caption a split and score it (`captioner evaluate`)

@@ -3,6 +3,8 @@
     captioner = Captioner.from_checkpoint("runs/shapes/best.pt")
     (caption,) = captioner.caption(["photo.jpg"], beam_size=3)
     caption.text, caption.attention  # "a red circle", (T, H', W') maps summing to 1
+    (forced,) = captioner.caption(["photo.jpg"], text="a blue circle")  # where it would look for these words
+    forced.word_logprobs  # each given word's log-probability
 
 `caption_files` streams a long list of files, yielding an ImageError for each unreadable one
 instead of stopping. The CLI's `caption` and `visualize` are thin layers over this module;
@@ -18,7 +20,6 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,11 +30,13 @@ import torch
 from captioner.config import DecodeConfig
 from captioner.data.images import ImageError, full_size, load_image, prepare_image
 from captioner.data.vocab import Vocabulary
+from captioner.decoding.caption import Caption
 from captioner.decoding.ensemble import EnsembleDecoder
+from captioner.decoding.forced import force_text, text_ids
 from captioner.decoding.search import Hypothesis, decode_n_best
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_model
-from captioner.model.encoder import CPU_CHUNK, Cells
+from captioner.model.encoder import CPU_CHUNK
 from captioner.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -94,48 +97,6 @@ class _Batch:
         self._encode()
         return torch.cat(self._grids)
 
-@dataclass
-class Caption:
-    """A generated caption and where the model looked for each word.
-
-    text: the words joined by spaces.
-    tokens: the words (T of them).
-    score: length-penalised log-probability (what beam search ranked by).
-    logprob: summed log-probability of the words (and of <end> when finished).
-    attention: (T, H', W') float32, each word's map over the encoder grid, summing to 1.
-    image_size: (width, height) of the captioned image.
-    path: the image file, when the image came from one.
-    alternatives: the next best captions of the beam search, best first (`alternatives=` of `caption`).
-    finished: False when the caption was cut at max_length without <end>.
-    cells: where the grid's cells look (`Encoder.cells`: centre of cell j at (origin + j * stride)
-        x the image side); the pictures and the grounding score place each weight there.
-        None = at the nominal centres (j + 0.5) / n.
-    """
-
-    text: str
-    tokens: list[str]
-    score: float
-    logprob: float
-    attention: np.ndarray
-    image_size: tuple[int, int]
-    path: str | None = None
-    finished: bool = True
-    cells: Cells | None = None
-    alternatives: list[Caption] = dataclasses.field(default_factory=list)
-
-    def to_json(self, attention: bool = True) -> dict[str, Any]:
-        """Plain JSON-ready dict; `attention` as nested lists, one (H', W') grid per word; the
-        alternatives (when asked for) as caption, tokens, score, logprob and finished."""
-        row: dict[str, Any] = {"path": self.path, "caption": self.text, "tokens": self.tokens,
-                               "score": self.score, "logprob": self.logprob, "finished": self.finished}
-        if attention:
-            row["attention"] = self.attention.tolist()
-            row["cells"] = None if self.cells is None else self.cells._asdict()
-        if self.alternatives:
-            row["alternatives"] = [{k: v for k, v in a.to_json(attention=False).items() if k != "path"}
-                                   for a in self.alternatives]
-        return row
-
 
 class Captioner:
     """A model, its vocabulary and decode settings, ready to caption images.
@@ -190,7 +151,7 @@ class Captioner:
     # --- captioning ---------------------------------------------------------------------------
 
     def caption(self, images: Sequence[ImageInput], batch_size: int = 32, alternatives: int = 0,
-                **decode_overrides: Any) -> list[Caption]:
+                text: str | None = None, **decode_overrides: Any) -> list[Caption]:
         """Caption images, `batch_size` at a time (the encoder runs once per image).
 
         Args:
@@ -198,14 +159,16 @@ class Captioner:
                 orientation applied, any mode to RGB).
             batch_size: images per encoder + search batch.
             alternatives: also keep this many next-best captions of the beam (less than beam_size).
-            decode_overrides: DecodeConfig fields, e.g. beam_size=3, max_length=16.
+            text: no search: these words on every image, teacher-forced; each Caption then holds them,
+                the maps they were predicted with and their `word_logprobs`. TextError (one line) names
+                the words the model does not know.
+            decode_overrides: DecodeConfig fields, e.g. beam_size=3, max_length=16 (with `text` only
+                length_penalty matters: the score).
         Returns:
             One Caption per image, in order. Raises ImageError (one line, names the file) for an
             unreadable file; `caption_files` skips those instead.
         """
-        cfg = self.decode_config(**decode_overrides)
-        if not 0 <= alternatives < cfg.beam_size:
-            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
+        cfg, ids = self._settings(alternatives, text, decode_overrides)
         out: list[Caption] = []
         batch = _Batch(self)
         for _, loaded in self._read_ahead(images, 2 * batch_size):
@@ -213,20 +176,20 @@ class Captioner:
                 raise loaded
             batch.add(loaded)
             if len(batch) == batch_size:
-                out += self._caption_batch(batch, cfg, alternatives)
+                out += self._caption_batch(batch, cfg, alternatives, ids)
                 batch = _Batch(self)
-        return out + self._caption_batch(batch, cfg, alternatives)
+        return out + self._caption_batch(batch, cfg, alternatives, ids)
 
-    def caption_files(self, paths: Iterable[str | Path], batch_size: int = 32,
+    def caption_files(self, paths: Iterable[str | Path], batch_size: int = 32, text: str | None = None,
                       **decode_overrides: Any) -> Iterator[tuple[str, Caption | ImageError]]:
         """Caption image files lazily, in order: yields (path, Caption) or (path, ImageError) per file,
         so one unreadable file costs only itself. At most 3 x `batch_size` images are in memory."""
-        cfg = self.decode_config(**decode_overrides)
+        cfg, ids = self._settings(0, text, decode_overrides)
         files: list[tuple[str, ImageError | None]] = []  # the batch's files in order, failed or not
         batch = _Batch(self)
 
         def flush() -> Iterator[tuple[str, Caption | ImageError]]:
-            captions = iter(self._caption_batch(batch, cfg))
+            captions = iter(self._caption_batch(batch, cfg, 0, ids))
             for p, error in files:
                 yield p, (error if error is not None else next(captions))
 
@@ -239,6 +202,16 @@ class Captioner:
                 files, batch = [], _Batch(self)
         if files:
             yield from flush()
+
+    def _settings(self, alternatives: int, text: str | None,
+                  overrides: dict[str, Any]) -> tuple[DecodeConfig, list[int] | None]:
+        """The call's decode settings and the word ids of its `text`, checked before any image is read."""
+        cfg = self.decode_config(**overrides)
+        if text is not None and alternatives:
+            raise ValueError("alternatives: a caption given as text has none (nothing is searched)")
+        if not 0 <= alternatives < cfg.beam_size:
+            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
+        return cfg, None if text is None else text_ids(text, self.vocab)
 
     def _read(self, image: ImageInput) -> _Loaded:
         """Decode (a JPEG at a reduced scale when the encoder's side allows) and preprocess one image."""
@@ -290,15 +263,14 @@ class Captioner:
     @torch.inference_mode()
     def caption_pixels(self, pixels: Sequence[torch.Tensor], image_sizes: Sequence[tuple[int, int]],
                        paths: Sequence[str | None] | None = None, alternatives: int = 0,
-                       **decode_overrides: Any) -> list[Caption]:
+                       text: str | None = None, **decode_overrides: Any) -> list[Caption]:
         """Caption images already preprocessed (`preprocess`: (3, S, S) each), as one batch.
-        `image_sizes` (w, h) of the originals go into the Captions, as do `paths` (default None)."""
-        cfg = self.decode_config(**decode_overrides)
-        if not 0 <= alternatives < cfg.beam_size:
-            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
+        `image_sizes` (w, h) of the originals go into the Captions, as do `paths` (default None);
+        `text` as in `caption`."""
+        cfg, ids = self._settings(alternatives, text, decode_overrides)
         if not pixels:
             return []
-        return self._caption_features(self._encode_pixels(pixels), image_sizes, paths, cfg, alternatives)
+        return self._caption_features(self._encode_pixels(pixels), image_sizes, paths, cfg, alternatives, ids)
 
     @torch.inference_mode()
     def _encode_pixels(self, pixels: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -307,20 +279,23 @@ class Captioner:
 
     @torch.inference_mode()
     def _caption_features(self, features: torch.Tensor, image_sizes: Sequence[tuple[int, int]],
-                          paths: Sequence[str | None] | None, cfg: DecodeConfig, alternatives: int = 0) -> list[Caption]:
-        """The search over (B, L, D) grids, as Captions."""
-        ranked = decode_n_best(self.model.decoder, features, cfg, self.vocab, alternatives + 1)
+                          paths: Sequence[str | None] | None, cfg: DecodeConfig, alternatives: int = 0,
+                          ids: list[int] | None = None) -> list[Caption]:
+        """The search over (B, L, D) grids, or the words `ids` forced on each, as Captions."""
+        ranked = (decode_n_best(self.model.decoder, features, cfg, self.vocab, alternatives + 1) if ids is None
+                  else [[h] for h in force_text(self.model.decoder, features, ids, self.vocab, cfg.length_penalty)])
         captions = []
         for hyps, size, p in zip(ranked, image_sizes, paths or [None] * len(features)):
             best, *others = (self._to_caption(h, size, p) for h in hyps)
             captions.append(dataclasses.replace(best, alternatives=others))
         return captions
 
-    def _caption_batch(self, batch: _Batch, cfg: DecodeConfig, alternatives: int = 0) -> list[Caption]:
+    def _caption_batch(self, batch: _Batch, cfg: DecodeConfig, alternatives: int = 0,
+                       ids: list[int] | None = None) -> list[Caption]:
         if not len(batch):
             return []
         return self._caption_features(batch.features(), [x.size for x in batch.items], [x.path for x in batch.items],
-                                      cfg, alternatives)
+                                      cfg, alternatives, ids)
 
     def _to_caption(self, hyp: Hypothesis, image_size: tuple[int, int], path: str | None) -> Caption:
         words = [self.vocab.word(i) for i in hyp.tokens]
@@ -328,4 +303,4 @@ class Captioner:
         attention = attention / attention.sum(axis=(1, 2), keepdims=True).clip(min=1e-12)  # exact sums after bf16
         return Caption(" ".join(words), words, hyp.score, hyp.logprob, attention.astype(np.float32),
                        (int(image_size[0]), int(image_size[1])), path, hyp.finished,
-                       self.model.encoder.cells)
+                       self.model.encoder.cells, word_logprobs=hyp.word_logprobs)

@@ -2,20 +2,29 @@
 caption it is *given* (a user's phrasing, or a reference caption for the attention-correctness
 protocol of Liu et al. 2017)?
 
-Shapes: B captions, T words (+ <end>), L = H'·W' regions, V vocabulary.
+Shapes: B captions, N images, T words (+ <end>), L = H'·W' regions, V vocabulary.
 
 Runs the decoder step by step as beam search does (eval mode, `memory` once per image, `step`),
 so it works for any decoder with that interface: the torch `AttentionDecoder`, an ensemble, and
-the ONNX Runtime decoder alike.
+the ONNX Runtime decoder alike. `text_ids` reads a user's text (every word must be one the model
+knows) and `force_text` scores it on each image as the `Hypothesis` a search would have returned.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from captioner.data.vocab import SPECIALS, Vocabulary, tokenize
+from captioner.decoding.search import Hypothesis, length_penalty
+from captioner.errors import CaptionerError
 from captioner.model.decoder import AttentionDecoder
+
+
+class TextError(CaptionerError):
+    """A caption to force that the model cannot read: no words, or words outside its vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,7 @@ def teacher_force(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, l
     memory = decoder.memory(features)  # (N, L, D), (N, L, A): once per image
     state = decoder.init_hidden(memory)[rows]  # (B, H) or (B, H + D)
     memory = memory.select(rows)  # (B, L, D), (B, L, A)
-    tokens, lengths = tokens.to(device), lengths.to(device)
+    tokens, lengths = tokens.to(device, torch.long), lengths.to(device)  # int64: gather's and the ONNX graph's
     steps = int(lengths.max())
     logprobs, alphas = [], []
     for t in range(steps):
@@ -61,5 +70,40 @@ def teacher_force(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, l
         logprobs.append(logp.gather(1, tokens[:, t + 1 : t + 2]).squeeze(1))  # (B,)
         alphas.append(out.alpha.float())  # (B, L)
         state = out.hidden
-    live = (torch.arange(steps, device=device)[None, :] < lengths[:, None]).float()  # (B, T + 1)
-    return Forced(torch.stack(logprobs, 1) * live, torch.stack(alphas, 1) * live[..., None], lengths)
+    live = torch.arange(steps, device=device)[None, :] < lengths[:, None]  # (B, T + 1)
+    # `where`, not a product: a padded position scored -inf (a <pad> the model never gives) would be NaN.
+    logprobs_ = torch.where(live, torch.stack(logprobs, 1), 0.0)  # (B, T + 1)
+    alphas_ = torch.where(live[..., None], torch.stack(alphas, 1), 0.0)  # (B, T + 1, L)
+    return Forced(logprobs_, alphas_, lengths)
+
+
+def text_ids(text: str, vocab: Vocabulary) -> list[int]:
+    """The word ids of `text`, tokenised as training captions are (`tokenize`), without <start>/<end>.
+
+    Raises TextError when no word is left, or naming every word the vocabulary lacks: such a word is
+    never read as <unk>, whose map would say nothing about the word asked for.
+    """
+    words = tokenize(text)
+    if not words:
+        raise TextError(f"text {text.strip()[:60]!r}: no words to caption with")
+    unknown = list(dict.fromkeys(w for w in words if w not in vocab or w in SPECIALS))  # in order, once each
+    if unknown:
+        raise TextError(f"text: {', '.join(repr(w) for w in unknown)} not in the model's vocabulary "
+                        f"({len(vocab) - len(SPECIALS):,} words)")
+    return [vocab.id(w) for w in words]
+
+
+def force_text(decoder: AttentionDecoder, features: Tensor, ids: Sequence[int], vocab: Vocabulary,
+               exponent: float) -> list[Hypothesis]:
+    """The words `ids` (from `text_ids`) forced on each of the (N, L, D) grids, as N finished
+    Hypotheses: logprob sums the words' and <end>'s, score is length-penalised as beam search's
+    (`exponent`), alphas (T, L) the maps the words were predicted with, word_logprobs (T,)."""
+    N, T = features.size(0), len(ids)
+    tokens = torch.tensor([vocab.start_id, *ids, vocab.end_id]).expand(N, T + 2)  # (N, T + 2) one caption each
+    forced = teacher_force(decoder, features, tokens, torch.full((N,), T + 1))
+    hypotheses = []
+    for logprobs, alphas in zip(forced.logprobs.tolist(), forced.alphas):  # (T + 1,), (T + 1, L)
+        logprob = sum(logprobs)
+        hypotheses.append(Hypothesis(list(ids), logprob, logprob / length_penalty(T + 1, exponent), alphas[:T],
+                                     True, logprobs[:T]))
+    return hypotheses

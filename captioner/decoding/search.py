@@ -48,6 +48,8 @@ class Hypothesis:
     score: logprob / length_penalty(len(tokens) + finished, exponent), what the search ranks by.
     alphas: (len(tokens), L) the attention of the step that produced each word.
     finished: True when the caption ended with <end>; False when cut at max_length.
+    word_logprobs: each word's log-probability, when known (a teacher-forced caption's; a search keeps
+        only the sums).
     """
 
     tokens: list[int]
@@ -55,6 +57,7 @@ class Hypothesis:
     score: float
     alphas: Tensor
     finished: bool
+    word_logprobs: list[float] | None = None
 
 
 def length_penalty(length: int, exponent: float) -> float:

@@ -88,6 +88,8 @@ def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 
     title_in = 0.3  # room above each panel for its word
     panel_h = PANEL_INCHES * h / w
     text = caption.text if caption.finished else caption.text + " ..."
+    if caption.word_logprobs is not None:  # words given, not searched (`caption(text=)`); each word's log p on its panel
+        text = f"given: {caption.text}   (log p {caption.logprob:.2f})"
     wrapped = textwrap.fill(text, width=max(28, int(cols * PANEL_INCHES * 8)))  # ~8 characters per inch at 13 pt
     header_in = 0.2 + 0.26 * (wrapped.count("\n") + 1)  # the caption over the whole grid
     scale_in = 0.75  # the colour scale under the panels
@@ -99,18 +101,20 @@ def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 
     fig.subplots_adjust(left=0.1 / fig_w, right=1 - 0.1 / fig_w, bottom=(scale_in + 0.1) / fig_h,
                         top=1 - (header_in + title_in) / fig_h, wspace=0.04,
                         hspace=title_in / panel_h)
-    panels = [(photo, "(image)", None)] + [(render_attention(photo, caption.attention[t], opacity, cmap, caption.cells),
-                                            word, word_focus(caption.attention[t]))
-                                           for t, word in enumerate(caption.tokens)]
+    logprobs = caption.word_logprobs or [None] * T
+    panels = [(photo, "(image)", None, None)] + [
+        (render_attention(photo, caption.attention[t], opacity, cmap, caption.cells), word,
+         word_focus(caption.attention[t]), logprobs[t]) for t, word in enumerate(caption.tokens)]
     for i in range(rows * cols):
         ax = fig.add_subplot(rows, cols, i + 1)
         ax.set_axis_off()
         if i < len(panels):
-            picture, label, focus = panels[i]
+            picture, label, focus, logprob = panels[i]
             ax.imshow(np.asarray(picture), interpolation="bilinear")
             ax.set_title(label, fontsize=12, pad=3, color="dimgray" if i == 0 else "black")
             if focus is not None:
-                ax.text(0.02, 0.03, f"peak {focus[0]:.2f}", transform=ax.transAxes, fontsize=8, va="bottom",
+                note = f"peak {focus[0]:.2f}" + (f"   log p {logprob:.2f}" if logprob is not None else "")
+                ax.text(0.02, 0.03, note, transform=ax.transAxes, fontsize=8, va="bottom",
                         bbox={"facecolor": "white", "alpha": 0.75, "pad": 1.5, "linewidth": 0})
     return fig
 
