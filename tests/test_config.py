@@ -79,7 +79,7 @@ def test_shipped_configs_are_found_by_name_from_anywhere(tmp_path, monkeypatch):
     from captioner.config import shipped_configs
 
     monkeypatch.chdir(tmp_path)
-    assert shipped_configs() == ["coco", "flickr8k", "flickr8k-800", "flickr8k-800-scst", "shapes"]
+    assert shipped_configs() == ["coco", "flickr8k", "flickr8k-800", "flickr8k-800-scst", "flickr8k-scst", "shapes"]
     init = ["train.init=ce.pt"]  # the scst config needs the checkpoint it starts from
     for name in shipped_configs():
         assert load_config(name, init) == load_config(f"configs/{name}.yaml", init) == load_config(f"{name}.yaml", init)

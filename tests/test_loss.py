@@ -128,6 +128,7 @@ def test_concept_detection_is_noisy_or_multiple_instance_learning():
 
 def test_concept_attention_pulls_a_content_words_map_towards_its_detector():
     from captioner.training.loss import concept_attention
+    from captioner.training.teachers import detector_teacher
 
     V, L = 7, 4
     tokens = torch.tensor([[1, 4, 5, 2]])  # <start> the(4) dog(5) <end>
@@ -136,14 +137,14 @@ def test_concept_attention_pulls_a_content_words_map_towards_its_detector():
     alphas = torch.full((3, L), 1.0 / L, requires_grad=True)
     content = torch.tensor([False] * 5 + [True, True])  # "the" is a function word: not pulled
     out = _concept_output(concepts, alphas, tokens)
-    loss = concept_attention(out, tokens[0, 1:], content)
+    loss = concept_attention(out, tokens[0, 1:], detector_teacher(content))
     loss.backward()
     assert alphas.grad[0].abs().sum() == 0 and alphas.grad[2].abs().sum() == 0  # "the" and <end>
     assert alphas.grad[1, 3] < 0 and (alphas.grad[1, :3] > alphas.grad[1, 3]).all()  # more weight on region 3
     # the teacher is detached: the detector is not pulled towards the maps
     concepts.requires_grad_(True)
     fresh = torch.full((3, L), 1.0 / L, requires_grad=True)
-    concept_attention(_concept_output(concepts, fresh, tokens), tokens[0, 1:], content).backward()
+    concept_attention(_concept_output(concepts, fresh, tokens), tokens[0, 1:], detector_teacher(content)).backward()
     assert concepts.grad is None and fresh.grad is not None
 
 
@@ -154,3 +155,23 @@ def test_a_concept_weight_needs_the_detector():
         Config(train=TrainConfig(concept_weight=1.0))
     Config(train=TrainConfig(concept_weight=1.0), model=ModelConfig(decoder=dataclasses.replace(
         ModelConfig().decoder, concepts=True)))
+
+
+def test_imagenet_teacher_maps_a_word_by_the_classifier_at_each_region():
+    """A toy classifier of 3 regions' 2-d features: class 151 (a dog breed) fires on feature x, so the
+    teacher's map for "dog" peaks where x is largest; a word without classes is not taught."""
+    from captioner.data.vocab import Vocabulary
+    from captioner.training.teachers import ImageNetTeacher
+
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "dog", "man"])  # ids 4, 5
+    weight, bias = torch.zeros(1000, 2), torch.zeros(1000)
+    weight[151, 0] = 5.0  # a dog breed: feature 0
+    weight[805, 1] = 5.0  # a soccer ball: feature 1, not a dog
+    teacher = ImageNetTeacher(weight, bias, vocab)
+    grid = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [0.2, 0.0]]])  # (N=1, L=3, D=2)
+    tokens = torch.tensor([[1, 4, 5, 2]])  # <start> dog man <end>
+    out = DecoderOutput(torch.zeros(3, 6), torch.full((3, 3), 1 / 3), torch.zeros(3, dtype=torch.long),
+                        torch.arange(3), torch.zeros(1, dtype=torch.long), None, grid)
+    keep, scores = teacher(out, tokens[0, 1:])
+    assert keep.tolist() == [True, False, False]  # "dog" only: "man" has no ImageNet class, <end> neither
+    assert scores.shape == (1, 3) and int(scores.argmax()) == 1

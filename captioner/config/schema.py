@@ -170,6 +170,9 @@ class TrainConfig(_Section):
     # pull the map of the step writing a content word towards where the word detector finds it
     # (model.decoder.concepts); the detector itself learns from which words a photo's captions use
     concept_weight: float = 0.0
+    # where a word is: "detector" = the decoder's own word detector (model.decoder.concepts), for every
+    # content word; "imagenet" = the encoder's ImageNet classifier per region, for the words it has classes for
+    concept_teacher: Literal["detector", "imagenet"] = "detector"
     label_smoothing: float = 0.0
     scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
@@ -212,8 +215,11 @@ class Config(_Section):
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
-        if self.train.concept_weight and not self.model.decoder.concepts:
+        if self.train.concept_weight and self.train.concept_teacher == "detector" and not self.model.decoder.concepts:
             raise ConfigError("config key 'train.concept_weight': needs the word detector, model.decoder.concepts: true")
+        if self.train.concept_teacher == "imagenet" and not self.model.encoder.name.startswith("efficientnet_lite"):
+            raise ConfigError(f"config key 'train.concept_teacher': 'imagenet' needs the ImageNet classifier of an "
+                              f"EfficientNet-Lite encoder, not {self.model.encoder.name!r}")
         if self.data.augment and self.data.use_cache and self.model.encoder.trainable_stages == 0:
             raise ConfigError("config key 'data.augment': true has no effect with the feature cache of a frozen "
                               "encoder (set data.use_cache=false, or fine-tune with model.encoder.trainable_stages)")

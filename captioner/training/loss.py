@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from captioner.config import TrainConfig
-from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
+from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
+from captioner.training.teachers import ImageNetTeacher, Teacher, content_words, detector_teacher
 
 
 class LossOutput(NamedTuple):
@@ -37,7 +38,7 @@ def caption_loss(
     entropy_weight: float = 0.0,
     label_smoothing: float = 0.0,
     concept_weight: float = 0.0,
-    content: Tensor | None = None,
+    teacher: Teacher | None = None,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -51,10 +52,10 @@ def caption_loss(
         entropy_weight: asks each word to commit to few regions instead of blending several
             objects into one look.
         label_smoothing: passed to cross-entropy.
-        concept_weight: pulls the map of each content word towards its detector's map (needs
-            `out.concepts`); the detector's own loss (`concept_detection`) is added whenever the
-            decoder has one.
-        content: (V,) bool, the words whose maps are pulled (not function words, not <end>).
+        concept_weight: pulls the map of each word `teacher` knows towards the teacher's map; the
+            decoder's word detector's own loss (`concept_detection`) is added whenever it has one.
+        teacher: where each word is (captioner.training.teachers); None = the decoder's detector,
+            for every word but the special ids.
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
@@ -71,8 +72,9 @@ def caption_loss(
     total = xent + coverage_weight * coverage + entropy_weight * entropy
     if out.concepts is not None:
         total = total + concept_detection(out.concepts, tokens, out.rows)
-        if concept_weight:
-            total = total + concept_weight * concept_attention(out, targets, content)
+    if concept_weight:
+        teach = teacher or detector_teacher(torch.arange(out.logits.size(-1)) >= 4)
+        total = total + concept_weight * concept_attention(out, targets, teach)
     return LossOutput(total, xent, coverage, entropy, zero)
 
 
@@ -93,30 +95,37 @@ def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor) -> Tensor:
     return nll[:, 4:].mean()  # the four special ids are never words of a photo
 
 
-def concept_attention(out: DecoderOutput, targets: Tensor, content: Tensor | None) -> Tensor:
-    """Cross-entropy from the word detector's map of each content word (softmax over regions,
-    detached: the detector is the teacher, not the student) to the attention of the step writing it.
+def concept_attention(out: DecoderOutput, targets: Tensor, teacher: Teacher) -> Tensor:
+    """Cross-entropy from the teacher's map of each word it knows (softmax over regions, detached:
+    the teacher is not pulled towards the student) to the attention of the step writing that word.
 
     Args:
-        out: packed pass with `concepts` (N, L, V) and `rows`. targets: (P,) the word of each position.
-        content: (V,) bool, which words are pulled; None = every word but the special ids.
+        out: the packed pass. targets: (P,) the word each position writes. teacher: see `Teacher`.
     """
-    keep = targets >= 4 if content is None else content.to(targets.device)[targets]  # (P,)
+    keep, scores = teacher(out, targets)  # (P,), (P', L)
     if not bool(keep.any()):
         return out.alphas.new_zeros(())
-    image = out.rows[out.caption[keep]]  # (P',)
-    scores = out.concepts.detach().float()[image, :, targets[keep]]  # (P', L) the word's region scores
-    teacher = torch.softmax(scores, dim=-1)  # (P', L)
-    return -(teacher * out.alphas[keep].float().clamp_min(1e-12).log()).sum(dim=-1).mean()
+    target = torch.softmax(scores.detach(), dim=-1)  # (P', L)
+    return -(target * out.alphas[keep].float().clamp_min(1e-12).log()).sum(dim=-1).mean()
 
 
-def content_words(vocab: Vocabulary) -> Tensor:
-    """(V,) bool: the words whose maps concept supervision pulls (not function words, not special)."""
-    return torch.tensor([i >= 4 and vocab.word(i) not in FUNCTION_WORDS for i in range(len(vocab))])
+def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | None) -> Teacher | None:
+    """The teacher `train.concept_teacher` names, for the run's vocabulary and encoder (None when
+    `train.concept_weight` is 0)."""
+    if not cfg.concept_weight:
+        return None
+    if vocab is None:
+        raise ValueError("concept supervision needs the run's vocabulary")
+    if cfg.concept_teacher == "imagenet":
+        if encoder is None:
+            raise ValueError("the ImageNet teacher needs the run's encoder name")
+        return ImageNetTeacher.for_encoder(encoder, vocab)
+    return detector_teacher(content_words(vocab))
 
 
-def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None) -> Criterion:
-    """`caption_loss` with the config's weights: (packed decoder output, tokens) -> LossOutput."""
-    content = content_words(vocab) if vocab is not None and cfg.concept_weight else None
+def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None) -> Criterion:
+    """`caption_loss` with the config's weights and teacher (`build_teacher`): (packed decoder output,
+    tokens) -> LossOutput."""
+    teacher = build_teacher(cfg, vocab, encoder)
     return functools.partial(caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
-                             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, content=content)
+                             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher)

@@ -1,0 +1,77 @@
+"""Where a word is in a photo, without boxes: the teachers that weak attention supervision pulls a
+content word's map towards (`train.concept_weight`, `train.concept_teacher`).
+
+    detector_teacher(content)          the decoder's own word detector (multiple-instance learning)
+    ImageNetTeacher(weights, vocab)    the encoder's ImageNet classifier, per region (class activation maps)
+
+A teacher takes the packed decoder output and the word of each position (P,) and returns which
+positions it teaches (P,) bool and, for those, a score per region (P', L) whose softmax is the map
+to pull towards. Shapes: N photos, L regions, D encoder width, V vocabulary, C = 1000 classes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from captioner.config import ConfigError
+from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
+from captioner.model.decoder import DecoderOutput
+from captioner.model.imagenet_words import IMAGENET_WORDS
+
+Teacher = Callable[[DecoderOutput, Tensor], tuple[Tensor, Tensor]]  # (out, words (P,)) -> (keep (P,), scores (P', L))
+
+
+def content_words(vocab: Vocabulary) -> Tensor:
+    """(V,) bool: the words a map is pulled for (not function words, not the special ids)."""
+    return torch.tensor([i >= 4 and vocab.word(i) not in FUNCTION_WORDS for i in range(len(vocab))])
+
+
+def detector_teacher(content: Tensor) -> Teacher:
+    """The word detector's region scores (`out.concepts`, detached) for every content word."""
+
+    def teach(out: DecoderOutput, words: Tensor) -> tuple[Tensor, Tensor]:
+        if out.concepts is None:
+            raise ValueError("the detector teacher needs model.decoder.concepts")
+        keep = content.to(words.device)[words]  # (P,)
+        photo = out.rows[out.caption[keep]]  # (P',)
+        return keep, out.concepts.detach().float()[photo, :, words[keep]]  # (P', L)
+
+    return teach
+
+
+class ImageNetTeacher:
+    """Class activation maps of the encoder's ImageNet classifier: for a word of `IMAGENET_WORDS`, the
+    log-sum-exp over its classes of the classifier's logit at each region (the classifier of a
+    mean-pooled grid applied to each region alone)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor, vocab: Vocabulary) -> None:
+        """weight (C, D), bias (C,): the classifier; vocab: the caption words."""
+        self.weight, self.bias = weight.float(), bias.float()
+        self.classes = torch.zeros(len(vocab), weight.size(0), dtype=torch.bool)  # (V, C)
+        for word, classes in IMAGENET_WORDS.items():
+            if word in vocab:
+                self.classes[vocab.id(word), list(classes)] = True
+        self.known = self.classes.any(dim=1)  # (V,)
+
+    @classmethod
+    def for_encoder(cls, name: str, vocab: Vocabulary) -> ImageNetTeacher:
+        from captioner.model.backbones import LITE_NAMES, efficientnet_lite_state_dict
+
+        if name not in LITE_NAMES:
+            raise ConfigError(f"config key 'train.concept_teacher': 'imagenet' needs the classifier of an "
+                              f"EfficientNet-Lite encoder ({', '.join(LITE_NAMES)}), not {name!r}")
+        state = efficientnet_lite_state_dict(name)
+        return cls(state["classifier.weight"], state["classifier.bias"], vocab)
+
+    def __call__(self, out: DecoderOutput, words: Tensor) -> tuple[Tensor, Tensor]:
+        if out.grid is None:
+            raise ValueError("the ImageNet teacher needs the encoder's grid in the decoder output")
+        device = out.grid.device
+        keep = self.known.to(device)[words]  # (P,)
+        photo = out.rows[out.caption[keep]]  # (P',)
+        logits = out.grid.detach().float() @ self.weight.to(device).T + self.bias.to(device)  # (N, L, C)
+        mask = self.classes.to(device)[words[keep]]  # (P', C)
+        per_class = logits[photo].masked_fill(~mask[:, None, :], float("-inf"))  # (P', L, C)
+        return keep, per_class.logsumexp(dim=-1)  # (P', L)
