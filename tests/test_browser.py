@@ -60,6 +60,17 @@ def _caption(page, path=EXAMPLE) -> dict:
     return answer.value.json()
 
 
+def _assert_peaks_where_the_map_does(overlay: np.ndarray, attention: list, cells: dict) -> None:
+    """Where the overlay is strongest is where the word's map peaks, at that cell's receptive-field
+    centre (origin + j * stride of the image side), within half a cell."""
+    attention = np.asarray(attention)
+    row, col = np.unravel_index(attention.argmax(), attention.shape)
+    h, w = overlay.shape
+    y, x = np.unravel_index(overlay.argmax(), overlay.shape)
+    expect_x, expect_y = (cells["origin"] + col * cells["stride"]) * w, (cells["origin"] + row * cells["stride"]) * h
+    assert math.hypot(x - expect_x, y - expect_y) <= 0.5 * cells["stride"] * max(w, h)
+
+
 def test_hovering_a_word_draws_its_map_brightest_where_it_peaks(page, tmp_path):
     result = _caption(page)
     chips = page.locator(".word")
@@ -72,14 +83,7 @@ def test_hovering_a_word_draws_its_map_brightest_where_it_peaks(page, tmp_path):
     after = _overlay(page)
     page.screenshot(path=str(tmp_path / "page.png"))
     assert after.max() > 100  # the overlay changed: a sharp map shows strong colour
-    # Where the overlay is strongest is where the word's map peaks, at that cell's receptive-field
-    # centre (origin + j * stride of the image side), within half a cell.
-    attention, cells = np.asarray(result["attention"][1]), result["cells"]
-    row, col = np.unravel_index(attention.argmax(), attention.shape)
-    h, w = after.shape
-    y, x = np.unravel_index(after.argmax(), after.shape)
-    expect_x, expect_y = (cells["origin"] + col * cells["stride"]) * w, (cells["origin"] + row * cells["stride"]) * h
-    assert math.hypot(x - expect_x, y - expect_y) <= 0.5 * cells["stride"] * max(w, h)
+    _assert_peaks_where_the_map_does(after, result["attention"][1], result["cells"])
     label = page.get_attribute("#overlay", "aria-label")
     assert label.startswith(f'"{result["tokens"][1]}": peak weight')  # a text alternative for the map
 
@@ -114,3 +118,45 @@ def test_a_file_that_is_not_an_image_shows_the_servers_sentence(page, tmp_path):
     page.set_input_files("#file", str(bad))
     page.wait_for_selector("#status.error")
     assert page.locator("#status").inner_text() == "upload: not an image (format not recognised)"
+
+
+def _score(page, text: str):
+    """Type `text` into the box and press Enter: the answer to the request it sends."""
+    page.fill("#text", text)
+    with page.expect_response(lambda r: "/api/caption" in r.url) as answer:
+        page.press("#text", "Enter")
+    return answer.value
+
+
+def test_a_typed_caption_shows_each_words_map_and_log_probability(page):
+    searched = _caption(page)
+    answer = _score(page, "a red circle above a blue square")
+    result = answer.json()
+    assert answer.ok and result["tokens"] == "a red circle above a blue square".split()
+    page.wait_for_selector("#status:has-text('Your words')")
+    chips = page.locator(".word")
+    assert chips.count() == len(result["tokens"])
+    for t, (word, logprob) in enumerate(zip(result["tokens"], result["word_logprobs"])):
+        assert chips.nth(t).inner_text().startswith(word)
+        assert chips.nth(t).locator("small").inner_text() == f"{logprob:.2f}"
+        assert chips.nth(t).get_attribute("aria-label").endswith(f"log-probability {logprob:.2f}")
+    sharpest = int(np.argmax([f["peak"] for f in result["focus"]]))
+    chips.nth(sharpest).hover()
+    _assert_peaks_where_the_map_does(_overlay(page), result["attention"][sharpest], result["cells"])
+    assert page.locator("#alternatives-box").is_hidden()
+
+    with page.expect_response(lambda r: "/api/caption" in r.url):
+        page.click("#text-clear")  # back to the model's own caption
+    page.wait_for_selector(f"#status:has-text('“{searched['caption']}”')")
+    assert page.input_value("#text") == "" and page.locator(".word").count() == len(searched["tokens"])
+
+
+def test_a_word_the_model_does_not_know_shows_the_servers_sentence(page):
+    _caption(page)
+    page.locator(".word").nth(1).hover()
+    assert _overlay(page).max() > 0
+    answer = _score(page, "a red zebra")
+    assert answer.status == 422
+    page.wait_for_selector("#status.error")
+    assert page.locator("#status").inner_text() == answer.json()["error"]
+    assert page.locator(".word").count() == 0 and _overlay(page).max() == 0  # nothing left of the last answer

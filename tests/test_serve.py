@@ -10,11 +10,12 @@ from fastapi.testclient import TestClient
 
 from captioner.cli import main
 from captioner.decoding.captioner import Captioner
+from captioner.errors import CaptionerError
 from captioner.serve.app import Limits, create_app
 from captioner.serve.batcher import Batcher, Options
 from captioner.serve.page import examples_for
 
-from servers import Server, sharp_checkpoint
+from servers import sharp_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,56 @@ def test_a_form_without_an_image_field_is_422(client):
     assert r.status_code == 422 and r.json() == {"error": "multipart body without an 'image' field (fields: photo)"}
 
 
+TEXT = "a red circle above a blue square"
+
+
+def test_text_answers_where_the_model_looks_for_the_given_words(client, captioner):
+    (expected,) = captioner.caption([PIL.Image.open(io.BytesIO(_png(4)))], text=TEXT)
+    query = client.post("/api/caption", params={"text": TEXT}, content=_png(4))
+    form = client.post("/api/caption", files={"image": ("p.png", _png(4), "image/png")}, data={"text": TEXT})
+    for r in (query, form):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["tokens"] == TEXT.split() and body["caption"] == TEXT and "alternatives" not in body
+        assert body["word_logprobs"] == pytest.approx(expected.word_logprobs)
+        assert all(p < 0 for p in body["word_logprobs"]) and body["logprob"] < sum(body["word_logprobs"])  # + <end>
+        attention = np.asarray(body["attention"])
+        np.testing.assert_allclose(attention, expected.attention, atol=1e-6)
+        np.testing.assert_allclose(attention.sum(axis=(1, 2)), 1.0, atol=1e-5)
+        assert len(body["focus"]) == len(body["tokens"])
+    searched = client.post("/api/caption", params={"text": "  "}, content=_png(4)).json()  # blank: the search
+    assert "word_logprobs" not in searched and searched["caption"] == captioner.caption(
+        [PIL.Image.open(io.BytesIO(_png(4)))])[0].text
+
+
+def test_words_the_model_does_not_know_are_422_with_the_captioners_sentence(client, captioner, caplog):
+    with pytest.raises(CaptionerError) as known:
+        captioner.caption([PIL.Image.new("RGB", (8, 8))], text="a red zebra")
+    r = client.post("/api/caption", params={"text": "a red zebra"}, content=_png())
+    assert r.status_code == 422 and r.json() == {"error": str(known.value)} and "zebra" in r.json()["error"]
+    assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]  # the client's mistake: no traceback
+    form = client.post("/api/visualize", files={"image": ("p.png", _png(), "image/png")}, data={"text": "a zebra"})
+    assert form.status_code == 422 and "zebra" in form.json()["error"]
+
+
+@pytest.mark.parametrize("query, form, message", [
+    ({"text": TEXT, "alternatives": "2"}, None, "alternatives: a caption given as text has none (nothing is searched)"),
+    ({"alternatives": "2"}, TEXT, "alternatives: a caption given as text has none (nothing is searched)"),
+    ({"text": TEXT}, TEXT, "text: given twice (as a query parameter and a form field)"),
+    ({"text": "a " * 151}, None, "text: String should have at most 300 characters"),
+    ({}, "a " * 151, "text: 302 characters, at most 300 allowed"),
+])
+def test_bad_text_requests_are_422(client, query, form, message):
+    data = None if form is None else {"text": form}
+    r = client.post("/api/caption", params=query, files={"image": ("p.png", _png(), "image/png")}, data=data)
+    assert r.status_code == 422 and r.json()["error"].startswith(message), r.text
+
+
+def test_visualize_draws_the_given_words(client):
+    r = client.post("/api/visualize", params={"text": "a red circle"}, content=_png())
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+
+
 def test_health_model_page_and_docs(client):
     assert client.get("/api/health").json()["status"] == "ok"
     model = client.get("/api/model").json()
@@ -166,6 +217,17 @@ def test_the_batcher_groups_by_options_and_keeps_order(captioner):
         assert got[i] == captioner.caption([im], beam_size=1 + i % 2, max_length=6)[0].text
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(images[0], Options(1, 6))
+    with Batcher(captioner, max_batch=6, max_delay_ms=100) as batcher:  # two texts and a search: three groups
+        texts = ["a red circle", None, "there is a purple square"]
+        futures = [batcher.submit(im, Options(3, 6, text=texts[i % 3])) for i, im in enumerate(images)]
+        got = [f.result(timeout=30) for f in futures]
+    assert batcher.stats.batches == 3
+    for i, caption in enumerate(got):
+        if texts[i % 3]:
+            assert caption.tokens == texts[i % 3].split() and len(caption.word_logprobs) == len(caption.tokens)
+        else:
+            assert caption.word_logprobs is None
+            assert caption.text == captioner.caption([images[i]], max_length=6)[0].text
 
 
 def test_a_busy_port_is_one_line_before_the_model_loads(checkpoint, capsys):
@@ -189,108 +251,3 @@ def test_caption_json_matches_the_cli(checkpoint, tmp_path, capsys, client):
     api = client.post("/api/caption", content=_png(3)).json()
     for key in ("caption", "tokens", "score", "logprob", "finished", "attention", "cells"):
         assert api[key] == cli[key], key
-
-
-class _FailingModel(Captioner):
-    """A model that fails on the model thread (`caption_pixels`) or on the request thread (`preprocess`)."""
-
-    def __init__(self, captioner: Captioner, where: str) -> None:
-        super().__init__(captioner.model, captioner.vocab, captioner.decode, "cpu")
-        self.where = where
-
-    def caption_pixels(self, *args, **kwargs):
-        if self.where == "model":
-            raise RuntimeError("CUDA out of memory")
-        return super().caption_pixels(*args, **kwargs)
-
-    def preprocess(self, image):
-        if self.where == "request":
-            raise RuntimeError("a bug in the preprocessing")
-        return super().preprocess(image)
-
-
-@pytest.mark.parametrize("where, message", [
-    ("model", "the model failed on this image (RuntimeError)"),
-    ("request", "the server failed on this request (RuntimeError); its log has the details"),
-])
-def test_a_failure_is_a_json_500_and_the_server_goes_on(captioner, where, message):
-    app = create_app(_FailingModel(captioner, where), "failing.pt")
-    with TestClient(app, raise_server_exceptions=False) as client:
-        r = client.post("/api/caption", content=_png())
-        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
-        assert r.json() == {"error": message}
-        assert client.get("/api/health").json()["status"] == "ok"
-        assert client.post("/api/caption?beam=0", content=_png()).status_code == 422
-
-
-def test_unknown_paths_and_methods_are_json_too(client):
-    assert client.get("/api/nothing").json() == {"error": "Not Found"}
-    r = client.get("/api/caption")
-    assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
-
-
-def test_the_model_and_its_batcher_live_on_app_state_for_the_lifespan(captioner):
-    app = create_app(captioner, "sharp.pt")
-    outside = TestClient(app)  # no lifespan: nothing served yet
-    assert outside.get("/api/health").json() == {"status": "starting"}
-    assert outside.get("/api/model").status_code == 503
-    with TestClient(app) as client:
-        assert app.state.captioner is captioner and app.state.batcher.stats.images == 0
-        assert client.post("/api/caption", content=_png()).status_code == 200
-        batcher = app.state.batcher
-    assert app.state.batcher is None and app.state.captioner is None
-    with pytest.raises(RuntimeError, match="closed"):  # the model thread stopped with the app
-        batcher.submit(PIL.Image.new("RGB", (8, 8)), Options(1, 4))
-
-
-def test_the_docs_show_the_caption_schema(client):
-    spec = client.get("/openapi.json").json()
-    ok = spec["paths"]["/api/caption"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
-    assert ok == {"$ref": "#/components/schemas/CaptionResult"}
-    result = spec["components"]["schemas"]["CaptionResult"]
-    assert {"caption", "tokens", "attention", "cells", "focus", "alternatives", "word_logprobs"} <= set(result["properties"])
-    assert {"caption", "tokens", "attention"} <= set(result["required"]) and "alternatives" not in result["required"]
-    error = spec["paths"]["/api/caption"]["post"]["responses"]["415"]["content"]["application/json"]["schema"]
-    assert error == {"$ref": "#/components/schemas/Error"}
-    parameters = spec["paths"]["/api/caption"]["post"]["parameters"]
-    assert [p["name"] for p in parameters][:3] == ["beam", "max_length", "alternatives"]
-    assert spec["paths"]["/api/model"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ModelInfo"}
-    assert "swagger-ui" in client.get("/docs").text
-
-
-def test_examples_suit_the_model(captioner, tmp_path):
-    assert examples_for("shapes").keys() == {"one-shape.png", "side-by-side.png", "three-shapes.png", "two-shapes.png"}
-    assert examples_for("/data/flickr8k") == {}  # a photo model is offered no drawn shapes
-    (tmp_path / "dog.jpg").write_bytes(b"jpeg")
-    (tmp_path / "notes.txt").write_text("not an image")
-    assert examples_for("/data/flickr8k", tmp_path) == {"dog.jpg": tmp_path / "dog.jpg"}
-
-    with TestClient(create_app(captioner, "photo.pt", examples=examples_for("/data/flickr8k", tmp_path))) as client:
-        assert client.get("/api/model").json()["examples"] == ["dog.jpg"]
-        assert client.get("/examples/dog.jpg").content == b"jpeg"
-        for name in ("notes.txt", "two-shapes.png", "..%2Fnotes.txt"):  # only the files listed at start
-            r = client.get(f"/examples/{name}")
-            assert r.status_code == 404 and r.headers["content-type"] == "application/json", name
-
-
-def test_a_client_that_goes_away_mid_upload_is_one_log_line(checkpoint):
-    """Through uvicorn as a user runs it: a raw socket sends headers promising 100 kB, half of them, and
-    closes; the server logs one line (no traceback) and goes on answering."""
-    import socket
-    import urllib.request
-
-    server = Server(checkpoint)
-    try:
-        host, port = server.url.split("//")[1].rstrip("/").split(":")
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /api/caption HTTP/1.1\r\nHost: test\r\nContent-Type: image/png\r\n"
-                         b"Content-Length: 100000\r\n\r\n" + _png()[:50_000])
-        with urllib.request.urlopen(urllib.request.Request(f"{server.url}api/caption", data=_png(),
-                                                           method="POST")) as answer:
-            assert answer.status == 200 and json.load(answer)["tokens"]
-    finally:
-        assert server.stop() == 0
-    log = server.process.stdout.read().splitlines()
-    assert log[-1] == "stopped"
-    assert len(log) == 2 and "went away during its upload to /api/caption" in log[0], log

@@ -5,12 +5,13 @@
 
 The image is a multipart field `image` or the raw body, read into memory (never a file) up to the
 byte limit, decoded and preprocessed on a request thread, then captioned in a batch on the model's
-thread (`Batcher`). Errors: 413 too many bytes or pixels, 415 not an image, 422 bad options or a
-corrupt image, 500 the model failed.
+thread (`Batcher`). With `text` (a query parameter or a form field) the caption is not searched for:
+the model reads the given words, and answers where it looked for each and how likely it found each
+(`word_logprobs`). Errors: 413 too many bytes or pixels, 415 not an image, 422 bad options, words
+the model does not know or a corrupt image, 500 the model failed.
 (No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at run time.)
 """
 import io
-import logging
 import time
 
 import PIL.Image
@@ -21,22 +22,22 @@ from starlette.concurrency import run_in_threadpool
 
 from captioner.data.images import ImageError, decode_image
 from captioner.decoding.captioner import Caption, Captioner
+from captioner.errors import CaptionerError
 from captioner.pictures.figures import attention_figure
 from captioner.pictures.overlay import word_focus
 from captioner.serve.batcher import Batcher, Options
-from captioner.serve.deps import BatcherDep, CaptionDep, CaptionerDep, DecodeDep, Limits, SettingsDep
+from captioner.serve.deps import BatcherDep, CaptionDep, CaptionerDep, DecodeDep, Limits, SettingsDep, with_text
 from captioner.serve.errors import image_error
 from captioner.serve.schemas import CaptionResult, error_responses
-from captioner.serve.uploads import read_upload
-
-log = logging.getLogger(__name__)
+from captioner.serve.uploads import MAX_TEXT, read_upload
 
 router = APIRouter(prefix="/api", tags=["captions"], responses=error_responses(413, 415, 422, 500))
 
 # An upload is read by hand (`read_upload`, under the byte limit), so the body is described here.
 UPLOAD = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "required": ["image"], "properties": {
-        "image": {"type": "string", "format": "binary"}}}},
+        "image": {"type": "string", "format": "binary"},
+        "text": {"type": "string", "maxLength": MAX_TEXT, "description": "as the `text` query parameter"}}}},
     "image/*": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
@@ -61,14 +62,21 @@ def _prepare(captioner: Captioner, data: bytes, max_pixels: int) -> tuple[PIL.Im
 
 async def _captioned(request: Request, options: Options, captioner: Captioner, batcher: Batcher,
                      limits: Limits) -> tuple[PIL.Image.Image, Caption]:
-    """The request's image and its caption; HTTPException for a bad upload or a failed model."""
-    data = await read_upload(request, limits.max_bytes)
+    """The request's image and its caption; HTTPException for a bad upload, words the model does not
+    know, or a failed model."""
+    upload = await read_upload(request, limits.max_bytes)
+    if upload.text is not None:
+        if options.text is not None:
+            raise HTTPException(422, "text: given twice (as a query parameter and a form field)")
+        options = with_text(options, upload.text)
     try:
-        image, pixels = await run_in_threadpool(_prepare, captioner, data, limits.max_pixels)
+        image, pixels = await run_in_threadpool(_prepare, captioner, upload.image, limits.max_pixels)
     except ImageError as e:
         raise image_error(e) from None
     try:
         return image, await batcher.caption(pixels, options, image.size)
+    except CaptionerError as e:  # the text's words: one sentence naming those the model does not know
+        raise HTTPException(422, str(e)) from None
     except Exception as e:  # the batcher has logged the traceback
         raise HTTPException(500, f"the model failed on this image ({type(e).__name__})") from None
 
@@ -84,7 +92,8 @@ def _picture(image: PIL.Image.Image, caption: Caption) -> bytes:
 async def caption(request: Request, options: CaptionDep, captioner: CaptionerDep, batcher: BatcherDep,
                   settings: SettingsDep) -> CaptionResult:
     """The caption of an image sent as a multipart field `image` or as the raw body, with the
-    attention map of every word (rows x cols, summing to 1) and `alternatives` next-best captions."""
+    attention map of every word (rows x cols, summing to 1) and `alternatives` next-best captions;
+    or, given `text`, those words with their maps and `word_logprobs`."""
     tick = time.perf_counter()
     _, result = await _captioned(request, options, captioner, batcher, settings.limits)
     return caption_result(result, time.perf_counter() - tick)
@@ -94,6 +103,7 @@ async def caption(request: Request, options: CaptionDep, captioner: CaptionerDep
              response_class=Response, responses={200: {"content": {"image/png": {}}}})
 async def visualize(request: Request, options: DecodeDep, captioner: CaptionerDep, batcher: BatcherDep,
                     settings: SettingsDep) -> Response:
-    """The picture `captioner visualize` draws: the photo, then every word's map on one colour scale."""
+    """The picture `captioner visualize` draws: the photo, then every word's map on one colour scale
+    (of the given `text`'s words, when given)."""
     image, result = await _captioned(request, options, captioner, batcher, settings.limits)
     return Response(await run_in_threadpool(_picture, image, result), media_type="image/png")

@@ -23,6 +23,7 @@ import PIL.Image
 import torch
 
 from captioner.decoding.captioner import Caption, Captioner
+from captioner.errors import CaptionerError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class Options:
     beam_size: int
     max_length: int
     alternatives: int = 0
+    text: str | None = None  # a caption to score (teacher-forced) instead of the search
 
 
 @dataclass
@@ -130,12 +132,14 @@ class Batcher:
                 self._run(options, group)
 
     def _run(self, options: Options, jobs: list[_Job]) -> None:
+        forced = {} if options.text is None else {"text": options.text}
         try:
             captions = self.captioner.caption_pixels([j.pixels for j in jobs], [j.image_size for j in jobs],
                                                      alternatives=options.alternatives, beam_size=options.beam_size,
-                                                     max_length=options.max_length)
+                                                     max_length=options.max_length, **forced)
         except Exception as e:  # the requests fail, the server goes on
-            log.exception("captioning a batch of %d failed", len(jobs))
+            if not isinstance(e, CaptionerError):  # the client's mistake (words the model lacks) is no failure
+                log.exception("captioning a batch of %d failed", len(jobs))
             for job in jobs:
                 job.future.set_exception(e)
             return

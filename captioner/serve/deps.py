@@ -1,5 +1,6 @@
 """What the routes depend on (`Depends`): the long-lived objects the lifespan put on `app.state`,
-and a request's decode options checked against the model's defaults and the limits.
+and a request's decode options (or the caption to score) checked against the model's defaults and
+the limits.
 (No `from __future__ import annotations`: FastAPI reads these annotations at run time.)
 """
 import dataclasses
@@ -10,6 +11,7 @@ from fastapi import Depends, HTTPException, Query, Request
 
 from captioner.decoding.captioner import Captioner
 from captioner.serve.batcher import Batcher, Options
+from captioner.serve.uploads import MAX_TEXT
 
 MAX_BEAM = 10
 MAX_LENGTH = 50
@@ -62,21 +64,35 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 Beam = Annotated[int | None, Query(ge=1, le=MAX_BEAM, description="beam size (1 = greedy); default: the model's")]
 MaxLength = Annotated[int | None, Query(ge=1, le=MAX_LENGTH, description="most words; default: the model's")]
 Alternatives = Annotated[int, Query(ge=0, lt=MAX_BEAM, description="next-best captions too")]
+Text = Annotated[str | None, Query(max_length=MAX_TEXT, description="a caption to score instead of searching: "
+                                   "where the model looks for each of its words and how likely it finds each "
+                                   "(words it knows only; blank = none; or a form field `text`)",
+                                   examples=["a dog catches a frisbee"])]
 
 
-def decode_options(captioner: CaptionerDep, beam: Beam = None, max_length: MaxLength = None) -> Options:
+def with_text(options: Options, text: str | None) -> Options:
+    """The options with a caption to score (a blank one is none), which has no alternatives."""
+    if text is None or not text.strip():
+        return options
+    if options.alternatives:
+        raise HTTPException(422, "alternatives: a caption given as text has none (nothing is searched)")
+    return dataclasses.replace(options, text=text)
+
+
+def decode_options(captioner: CaptionerDep, beam: Beam = None, max_length: MaxLength = None,
+                   text: Text = None) -> Options:
     """A request's decode options, the model's defaults filled in."""
-    return Options(beam or captioner.decode.beam_size, max_length or captioner.decode.max_length)
+    return with_text(Options(beam or captioner.decode.beam_size, max_length or captioner.decode.max_length), text)
 
 
 def caption_options(captioner: CaptionerDep, beam: Beam = None, max_length: MaxLength = None,
-                    alternatives: Alternatives = 0) -> Options:
+                    alternatives: Alternatives = 0, text: Text = None) -> Options:
     """The decode options and how many next-best captions (fewer than the beam's size)."""
     options = decode_options(captioner, beam, max_length)
     if alternatives >= options.beam_size:
         raise HTTPException(422, f"alternatives: {alternatives} needs a beam of at least {alternatives + 1} "
                                  f"(beam is {options.beam_size})")
-    return dataclasses.replace(options, alternatives=alternatives)
+    return with_text(dataclasses.replace(options, alternatives=alternatives), text)
 
 
 DecodeDep = Annotated[Options, Depends(decode_options)]

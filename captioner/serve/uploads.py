@@ -1,4 +1,5 @@
-"""Reading an uploaded image into memory: a multipart form's `image` field, or the raw body.
+"""Reading an uploaded image into memory: a multipart form's `image` field (and its optional `text`
+field: a caption to score), or the raw body.
 
 The size limit holds before anything large is read: a Content-Length over it is refused at once, and
 a body sent without one (chunked) is cut off as soon as it passes the limit. Nothing goes to disk
@@ -10,6 +11,7 @@ is wrong with the server), and its request ends there.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from fastapi import HTTPException, Request
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -17,7 +19,8 @@ from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
-FIELD = "image"
+FIELD, TEXT = "image", "text"
+MAX_TEXT = 300  # characters of a caption to score: a long sentence
 # nginx's status for a client that closed its connection; nobody is left to read the answer.
 CLIENT_CLOSED = 499
 
@@ -46,8 +49,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def form_field(body: bytes, content_type: str, name: str = FIELD) -> bytes:
-    """The bytes of field `name` of a multipart/form-data body (HTTP 422 when it has none)."""
+class Upload(NamedTuple):
+    image: bytes
+    text: str | None = None  # the form's `text` field, when it has one
+
+
+def form_fields(body: bytes, content_type: str) -> dict[str, bytes]:
+    """The fields of a multipart/form-data body, name -> bytes (the first of a name); HTTP 422 when malformed."""
     _, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:
@@ -85,15 +93,28 @@ def form_field(body: bytes, content_type: str, name: str = FIELD) -> bytes:
         parser.finalize()
     except Exception as e:  # python-multipart's errors for a malformed body
         raise HTTPException(422, f"malformed multipart body ({type(e).__name__})") from None
-    if name not in parts:
-        raise HTTPException(422, f"multipart body without an '{name}' field (fields: {', '.join(parts) or 'none'})")
-    return parts[name]
+    return parts
 
 
-async def read_upload(request: Request, limit: int) -> bytes:
-    """The image bytes of a request: the `image` field of a multipart form, else the whole body."""
+def text_field(data: bytes) -> str:
+    """A form's text field as a string (HTTP 422 unless short UTF-8)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HTTPException(422, f"{TEXT}: not UTF-8 text") from None
+    if len(text) > MAX_TEXT:
+        raise HTTPException(422, f"{TEXT}: {len(text)} characters, at most {MAX_TEXT} allowed")
+    return text
+
+
+async def read_upload(request: Request, limit: int) -> Upload:
+    """The image bytes of a request: the `image` field of a multipart form (with its `text` field), else
+    the whole body."""
     body = await read_body(request, limit)
     content_type = request.headers.get("content-type", "")
-    if content_type.lower().startswith("multipart/form-data"):
-        return form_field(body, content_type)
-    return body
+    if not content_type.lower().startswith("multipart/form-data"):
+        return Upload(body)
+    parts = form_fields(body, content_type)
+    if FIELD not in parts:
+        raise HTTPException(422, f"multipart body without an '{FIELD}' field (fields: {', '.join(parts) or 'none'})")
+    return Upload(parts[FIELD], text_field(parts[TEXT]) if TEXT in parts else None)

@@ -1,87 +1,11 @@
 // The captioner page: send a photo to /api/caption, show the caption as word chips, and draw the
-// chosen word's attention map over the photo.
-//
-// A map (rows x cols weights summing to 1) is drawn as captioner.pictures.overlay draws it in the
-// PNG pictures: each weight sits at its cell's receptive-field centre (origin + j * stride, as a
-// fraction of the image side), upsampled bicubically between the centres (torch grid_sample's
-// kernel, A = -0.75, edge cells repeated), then coloured on one fixed scale for every word: log of
-// the weight as a multiple of the even share 1/L, from 0 (even or less: clear) to 1 (all on one
-// cell), with opacity following it.
-"use strict";
+// chosen word's attention map over the photo (maps.js draws it as the PNG pictures do). A caption
+// typed into the text box is sent along (`text`): the chips are then those words, each with its
+// log-probability, and the maps where the model looked for them.
+import { heat, jet, upsample } from "./maps.js";
 
 const $ = (id) => document.getElementById(id);
 const state = { model: null, result: null, file: null, current: -1, timer: null, url: null };
-
-// --- colours ----------------------------------------------------------------------------------
-
-// matplotlib's "jet" segment data: [x, value] points per channel.
-const JET = [
-  [[0, 0], [0.35, 0], [0.66, 1], [0.89, 1], [1, 0.5]],
-  [[0, 0], [0.125, 0], [0.375, 1], [0.64, 1], [0.91, 0], [1, 0]],
-  [[0, 0.5], [0.11, 1], [0.34, 1], [0.65, 0], [1, 0]],
-];
-
-function channel(points, v) {
-  for (let i = 1; i < points.length; i++) {
-    const [x0, y0] = points[i - 1], [x1, y1] = points[i];
-    if (v <= x1) return y0 + (y1 - y0) * (v - x0) / (x1 - x0);
-  }
-  return points[points.length - 1][1];
-}
-
-function jet(v) { return JET.map((points) => Math.round(255 * channel(points, v))); }
-
-function heat(weight, regions) {
-  if (regions <= 1) return 1;
-  return Math.min(1, Math.max(0, Math.log(Math.max(weight * regions, 1e-12)) / Math.log(regions)));
-}
-
-// --- upsampling at the cells' centres ------------------------------------------------------------
-
-function cubic(t) {  // weights of the 4 taps at offsets -1, 0, 1, 2 (Keys, A = -0.75)
-  const A = -0.75;
-  const near = (x) => ((A + 2) * x - (A + 3)) * x * x + 1;
-  const far = (x) => ((A * x - 5 * A) * x + 8 * A) * x - 4 * A;
-  return [far(t + 1), near(t), near(1 - t), far(2 - t)];
-}
-
-function taps(n, pixels, cells) {  // per pixel: 4 cell indices and 4 weights along one side
-  const index = new Int32Array(pixels * 4), weight = new Float32Array(pixels * 4);
-  for (let p = 0; p < pixels; p++) {
-    const c = n > 1 ? ((p + 0.5) / pixels - cells.origin) / cells.stride : 0;  // fractional cell index
-    const f = Math.floor(c), w = cubic(c - f);
-    for (let k = 0; k < 4; k++) {
-      index[p * 4 + k] = Math.min(n - 1, Math.max(0, f - 1 + k));
-      weight[p * 4 + k] = w[k];
-    }
-  }
-  return { index, weight };
-}
-
-// (rows x cols) map -> Float32Array(width * height) of weights per cell, clipped at 0.
-function upsample(map, width, height, cells) {
-  const rows = map.length, cols = map[0].length;
-  const cx = cells || { origin: 0.5 / cols, stride: 1 / cols };
-  const cy = cells || { origin: 0.5 / rows, stride: 1 / rows };
-  const tx = taps(cols, width, cx), ty = taps(rows, height, cy);
-  const across = new Float32Array(height * cols);  // rows interpolated first
-  for (let y = 0; y < height; y++) {
-    for (let c = 0; c < cols; c++) {
-      let s = 0;
-      for (let k = 0; k < 4; k++) s += ty.weight[y * 4 + k] * map[ty.index[y * 4 + k]][c];
-      across[y * cols + c] = s;
-    }
-  }
-  const out = new Float32Array(width * height);
-  for (let y = 0; y < height; y++) {
-    for (let x = 0; x < width; x++) {
-      let s = 0;
-      for (let k = 0; k < 4; k++) s += tx.weight[x * 4 + k] * across[y * cols + tx.index[x * 4 + k]];
-      out[y * width + x] = Math.max(0, s);
-    }
-  }
-  return out;
-}
 
 // --- drawing -------------------------------------------------------------------------------------
 
@@ -121,7 +45,8 @@ function describe(t) {
   const r = state.result, f = r.focus[t], regions = r.grid[0] * r.grid[1];
   const times = (f.peak * regions).toFixed(1);
   const spread = f.spread > 0.9 ? "spread over the whole photo" : `strongest at ${where(r.attention[t])}`;
-  return `"${r.tokens[t]}": peak weight ${f.peak.toFixed(2)} (${times}x an even spread), ${spread}`;
+  const likely = r.word_logprobs ? `; log-probability ${r.word_logprobs[t].toFixed(2)}` : "";
+  return `"${r.tokens[t]}": peak weight ${f.peak.toFixed(2)} (${times}x an even spread), ${spread}${likely}`;
 }
 
 function choose(t) {
@@ -162,9 +87,9 @@ function show(result) {
     chip.setAttribute("aria-pressed", "false");
     chip.setAttribute("aria-label", describe(t));
     chip.append(word);
-    const peak = document.createElement("small");
-    peak.textContent = result.focus[t].peak.toFixed(2);
-    chip.append(peak);
+    const figure = document.createElement("small");  // a given word: how likely; else how sharp its map
+    figure.textContent = result.word_logprobs ? result.word_logprobs[t].toFixed(2) : result.focus[t].peak.toFixed(2);
+    chip.append(figure);
     chip.addEventListener("mouseenter", () => choose(t));
     chip.addEventListener("focus", () => choose(t));
     chip.addEventListener("click", () => choose(t));
@@ -178,13 +103,28 @@ function show(result) {
   }));
   $("alternatives-box").hidden = !(result.alternatives || []).length;
   drawScale(result.grid[0] * result.grid[1]);
+  const ms = Math.round(result.seconds * 1000);
   $("status").className = "";
-  $("status").textContent = `“${result.caption}” (score ${result.score.toFixed(2)}, ${Math.round(result.seconds * 1000)} ms)`;
+  $("status").textContent = result.word_logprobs
+    ? `Your words “${result.caption}”: log-probability ${result.logprob.toFixed(2)} in all, the end included (${ms} ms)`
+    : `“${result.caption}” (score ${result.score.toFixed(2)}, ${ms} ms)`;
+  $("words-legend").textContent = result.word_logprobs
+    ? "Each word with its log-probability: hover or focus it to see where the model looked for it."
+    : "Each word with its map's peak weight: hover or focus it to see where the model looked.";
   $("result").hidden = false;
   choose(-1);
 }
 
-function fail(message) {
+function fail(message) {  // the sentence, and no words or map of an earlier answer beside it
+  stop();
+  state.result = null;
+  state.current = -1;
+  $("words").replaceChildren();
+  $("focus-text").textContent = $("words-legend").textContent = "";
+  $("alternatives-box").hidden = true;
+  const overlay = $("overlay");
+  overlay.getContext("2d").clearRect(0, 0, overlay.width, overlay.height);
+  overlay.setAttribute("aria-label", "no word chosen");
   $("status").className = "error";
   $("status").textContent = message;
   $("result").hidden = false;
@@ -195,13 +135,16 @@ function options() {
   const beam = Number($("beam").value) || d.beam_size;
   const params = new URLSearchParams({ beam: String(beam) });
   if ($("max-length").value) params.set("max_length", $("max-length").value);
-  params.set("alternatives", String(Math.min(Number($("alternatives").value) || 0, beam - 1)));
+  if (!userText()) params.set("alternatives", String(Math.min(Number($("alternatives").value) || 0, beam - 1)));
   return params;
 }
+
+function userText() { return $("text").value.trim(); }
 
 async function post(path, file) {
   const form = new FormData();
   form.append("image", file, file.name || "image");
+  if (userText()) form.append("text", userText());
   return fetch(`${path}?${options()}`, { method: "POST", body: form });
 }
 
@@ -295,6 +238,15 @@ async function start() {
     if (state.result) download("caption.json", new Blob([JSON.stringify(state.result, null, 1)], { type: "application/json" }));
   });
   $("download-png").addEventListener("click", downloadPicture);
+  $("text-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    if (state.file) caption(state.file);
+    else fail("choose an image first");
+  });
+  $("text-clear").addEventListener("click", () => {
+    $("text").value = "";
+    if (state.file) caption(state.file);
+  });
 
   const model = await (await fetch("/api/model")).json();
   state.model = model;
