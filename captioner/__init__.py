@@ -18,7 +18,7 @@ __version__ = "0.2.0"
 
 # Public names, imported on first use so that `import captioner` (and `captioner --help`) stays fast.
 _PUBLIC = {
-    "Caption": "captioner.decoding.captioner",
+    "Caption": "captioner.decoding.caption",
     "Captioner": "captioner.decoding.captioner",
     "load_checkpoint": "captioner.model.checkpoint",
     "load_image": "captioner.data.images",

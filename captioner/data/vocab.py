@@ -12,11 +12,13 @@ import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-
-from nltk.tokenize import TreebankWordTokenizer
+from typing import TYPE_CHECKING
 
 from captioner.errors import CaptionerError
 from captioner.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from nltk.tokenize import TreebankWordTokenizer
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS: tuple[str, ...] = (PAD, START, END, UNK)
@@ -36,6 +38,8 @@ class VocabularyError(CaptionerError):
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer() -> TreebankWordTokenizer:
+    from nltk.tokenize import TreebankWordTokenizer  # here, not at the top: captioning never tokenizes
+
     return TreebankWordTokenizer()  # rule based: needs no downloaded nltk data
 
 

@@ -8,11 +8,32 @@
     grounding.py   did the model look at the object a word names?
     evaluation.py  caption a split and score it (`captioner evaluate`)
 """
-from captioner.decoding.captioner import Caption, Captioner
-from captioner.decoding.evaluation import Evaluation, evaluate_checkpoint, evaluate_records
-from captioner.decoding.grounding import GroundingResult, grounding_score
-from captioner.decoding.metrics import METRIC_NAMES, caption_metrics
-from captioner.decoding.search import Hypothesis, beam_search, decode
+from __future__ import annotations
 
+import importlib
+from typing import Any
+
+_PUBLIC = {  # name -> its module
+    "Caption": "captioner.decoding.caption",
+    "Captioner": "captioner.decoding.captioner",
+    "Evaluation": "captioner.decoding.evaluation",
+    "evaluate_checkpoint": "captioner.decoding.evaluation",
+    "evaluate_records": "captioner.decoding.evaluation",
+    "GroundingResult": "captioner.decoding.grounding",
+    "grounding_score": "captioner.decoding.grounding",
+    "METRIC_NAMES": "captioner.decoding.metrics",
+    "caption_metrics": "captioner.decoding.metrics",
+    "Hypothesis": "captioner.decoding.search",
+    "beam_search": "captioner.decoding.search",
+    "decode": "captioner.decoding.search",
+}
 __all__ = ["METRIC_NAMES", "Caption", "Captioner", "Evaluation", "GroundingResult", "Hypothesis", "beam_search",
            "caption_metrics", "decode", "evaluate_checkpoint", "evaluate_records", "grounding_score"]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported on first use, so that importing one light module of the package
+    (`captioner.decoding.caption`) does not import the rest of it, torch included."""
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

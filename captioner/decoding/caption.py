@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from captioner.model.encoder import Cells
+from captioner.model.grid import Cells
 
 
 @dataclass

@@ -7,10 +7,32 @@
     caption_model.py  `CaptionModel` = encoder + decoder, `build_model`
     checkpoint.py     one file per model: config, vocabulary, weights (and resume state)
 """
-from captioner.model.caption_model import CaptionModel, build_model
-from captioner.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_model, save_checkpoint
-from captioner.model.decoder import AttentionDecoder, DecoderOutput, Memory
-from captioner.model.encoder import Encoder, build_encoder
+from __future__ import annotations
 
+import importlib
+from typing import Any
+
+_PUBLIC = {  # name -> its module
+    "CaptionModel": "captioner.model.caption_model",
+    "build_model": "captioner.model.caption_model",
+    "Checkpoint": "captioner.model.checkpoint",
+    "CheckpointError": "captioner.model.checkpoint",
+    "load_checkpoint": "captioner.model.checkpoint",
+    "load_model": "captioner.model.checkpoint",
+    "save_checkpoint": "captioner.model.checkpoint",
+    "AttentionDecoder": "captioner.model.decoder",
+    "DecoderOutput": "captioner.model.decoder",
+    "Memory": "captioner.model.decoder",
+    "Encoder": "captioner.model.encoder",
+    "build_encoder": "captioner.model.encoder",
+}
 __all__ = ["AttentionDecoder", "CaptionModel", "Checkpoint", "CheckpointError", "DecoderOutput", "Encoder", "Memory",
            "build_encoder", "build_model", "load_checkpoint", "load_model", "save_checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported on first use, so that importing one light module of the package
+    (`captioner.model.grid`) does not import the rest of it, torch included."""
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
-import numpy as np
 import PIL.Image
 import timm
 import torch
@@ -21,21 +19,7 @@ from torchvision import transforms as T
 
 from captioner.config import EncoderConfig
 from captioner.model.backbones import Backbone, EncoderError, build_backbone
-
-CPU_CHUNK = 2  # images per CNN call on a CPU (see `Encoder.infer`)
-
-
-class Cells(NamedTuple):
-    """Where the grid's cells look, as fractions of the image side: cell j's receptive field is
-    centred at (origin + j * stride) x width (columns) or x height (rows). The encoder squashes the
-    whole image into its square input, so the same fractions hold for the original photo."""
-
-    origin: float
-    stride: float
-
-    def centres(self, n: int, side: float) -> np.ndarray:
-        """(n,) pixel centres of n cells along a side of `side` pixels."""
-        return (self.origin + self.stride * np.arange(n)) * side
+from captioner.model.grid import CPU_CHUNK, Cells
 
 
 def _rgb(image: PIL.Image.Image) -> PIL.Image.Image:
