@@ -5,6 +5,9 @@
     step.py      the decoder's memory and step rewritten for inference graphs (token tables)
     encoder.py   the feature cache built with ONNX Runtime
     runtime.py   `onnx_captioner(folder)`: a `Captioner` whose encoder and decoder steps run in ONNX Runtime
+    folder.py    an export folder without torch: manifest, sessions, the cache of exports, the bundled model
+    graphs.py    the graphs as numpy functions, with the encoder's preprocessing in numpy
+    lite.py      `lite_captioner(folder)`: captions from an export with ONNX Runtime, numpy and Pillow alone
 
 `onnx` and `onnxruntime` are an optional extra: `pip install captioner[onnx]`.
 """
@@ -23,10 +26,12 @@ class FormatError(CaptionerError):
     """A model that cannot be exported, or an export folder that cannot be used."""
 
 
-def require_onnx() -> None:
-    """A one-line error naming the extra when onnx / onnxruntime are missing."""
+def require_onnx(runtime_only: bool = False) -> None:
+    """A one-line error naming the extra when onnx / onnxruntime are missing. `runtime_only`: only
+    onnxruntime, all that running an export takes (onnx alone costs a second to import)."""
     try:
-        import onnx  # noqa: F401
+        if not runtime_only:
+            import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
     except ImportError as e:
         raise FormatError(f"the ONNX runtime needs the 'onnx' extra: pip install 'captioner[onnx]' "

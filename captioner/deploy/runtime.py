@@ -11,14 +11,10 @@ torch uses (`torch.set_num_threads`, or OMP_NUM_THREADS), the decoder's with one
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torchvision.transforms import InterpolationMode
@@ -27,39 +23,15 @@ from captioner.config import DataConfig, DecodeConfig
 from captioner.config.parse import from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
-from captioner.deploy import EXPORT_VERSION, GRAPHS, MANIFEST, FormatError, require_onnx
-from captioner.files import cache_home
+from captioner.deploy import GRAPHS, FormatError, require_onnx
+from captioner.deploy.folder import encode_chunks, exported, ort_session, read_manifest
 from captioner.model.decoder import Memory, StepOutput
-from captioner.model.encoder import CPU_CHUNK, Cells, eval_transform
-
-log = logging.getLogger(__name__)
-
-
-def ort_session(path: Path, threads: int, spin: bool = False) -> Any:
-    """An ONNX Runtime session on the CPU. `spin`: idle workers spin-wait for the next run (only for
-    a session that runs alone, back to back: the feature cache)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    # Idle workers that spin between runs take the core the beam search (its own one-thread session)
-    # needs: one image with a two-thread encoder took 64-73 ms spinning against 36-37 ms without.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime's errors for a missing or damaged graph
-        raise FormatError(f"{path}: not a usable ONNX graph ({type(e).__name__}: {str(e)[:160]})") from None
+from captioner.model.encoder import Cells, eval_transform
 
 
 def encode_in_chunks(session: Any, pixels: Tensor) -> Tensor:
-    """An encoder graph's (B, 3, S, S) -> (B, L, D_enc), CPU_CHUNK images a call (as `Encoder.infer`:
-    the activations of one or two images stay in cache; 62 against 42-59 images/s in one call of 32)."""
-    x = pixels.float().contiguous().numpy()
-    return torch.from_numpy(np.concatenate([session.run(None, {"pixels": x[i : i + CPU_CHUNK]})[0]
-                                            for i in range(0, len(x), CPU_CHUNK)]))
+    """An encoder graph's (B, 3, S, S) -> (B, L, D_enc) in torch, CPU_CHUNK images a call (`encode_chunks`)."""
+    return torch.from_numpy(encode_chunks(session, pixels.float().contiguous().numpy()))
 
 
 class OnnxEncoder:
@@ -123,36 +95,6 @@ class OnnxModel:
 
     def eval(self) -> OnnxModel:
         return self
-
-
-def read_manifest(folder: Path) -> dict[str, Any]:
-    missing = [name for name in (MANIFEST, *(f"{g}.onnx" for g in GRAPHS)) if not (folder / name).is_file()]
-    if missing:
-        raise FormatError(f"{folder}: not an export folder of `captioner export` ({', '.join(missing)} missing)")
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{folder / MANIFEST}: unreadable ({e})") from None
-    if manifest.get("format") != "captioner-onnx":
-        raise FormatError(f"{folder / MANIFEST}: not a captioner export manifest")
-    return manifest
-
-
-def exported(source: str | Path) -> Path:
-    """An export folder for `source`: itself, or (for a checkpoint) its export in the cache, made once."""
-    source = Path(source)
-    if source.is_dir():
-        return source
-    if not source.is_file():
-        raise FormatError(f"{source}: no such checkpoint or export folder")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    folder = cache_home() / "onnx" / f"{digest}-v{EXPORT_VERSION}"
-    if not (folder / MANIFEST).is_file():
-        from captioner.deploy.export import export_onnx
-
-        log.warning("exporting %s to ONNX in %s (once)", source, folder)
-        export_onnx(source, folder)
-    return folder
 
 
 def exported_data(source: str | Path) -> DataConfig:
