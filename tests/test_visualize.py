@@ -104,3 +104,54 @@ def test_upsample_places_each_weight_at_its_cells_centre():
     wide = upsample(one_hot, (80, 40), Cells(origin=0.2, stride=0.25))  # the same fractions on a wider image
     y, x = np.unravel_index(wide.argmax(), wide.shape)
     assert y in (17, 18) and x in (35, 36)
+
+
+def test_boxes_are_outlined_green_for_a_hit_and_red_for_a_miss(tmp_path):
+    """word0 peaks in the left half, word1 in the right: with a box on the left for both, word0's panel
+    gets a green outline and word1's a red one."""
+    from captioner.data.boxes import GroundObject
+    from captioner.pictures.figures import attention_figure, word_looks
+
+    attention = np.full((2, 4, 6), 0.1 / 23, dtype=np.float32)
+    attention[0, 1, 1] = attention[1, 1, 4] = 0.9
+    caption = Caption("word0 word1", ["word0", "word1"], -1.0, -2.0, attention, (96, 64))
+    objects = [GroundObject(("word0",), ((0, 0, 40, 64),)), GroundObject(("word1",), ((0, 0, 40, 64),))]
+    found = word_looks(caption, objects)
+    assert [found[t][0].hit for t in (0, 1)] == [True, False]
+    fig = attention_figure(_photo(), caption, objects=objects)
+    titles = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert set(titles) >= {"word0 (hit)", "word1 (miss)"}
+    edge = {t: [p.get_edgecolor()[:3] for p in titles[t].patches] for t in ("word0 (hit)", "word1 (miss)")}
+    assert edge["word0 (hit)"] == [(0.0, 1.0, 0.0)] and edge["word1 (miss)"] == [(1.0, 0.0, 0.0)]
+
+
+def test_cli_visualize_with_boxes(tmp_path, capsys):
+    import json
+
+    import torch
+
+    from captioner.cli import main
+    from captioner.config import Config, DecoderConfig, EncoderConfig, ModelConfig
+    from captioner.data.vocab import build_vocabulary
+    from captioner.model import build_model
+    from captioner.model.checkpoint import save_checkpoint
+
+    model_cfg = ModelConfig(EncoderConfig(name="random", image_size=64),
+                            DecoderConfig(embed_dim=8, hidden_dim=16, attention_dim=8, feature_dim=8, dropout=0.0))
+    vocab = build_vocabulary(["a dog on grass", "a dog runs"])
+    ckpt = save_checkpoint(tmp_path / "m.pt", Config(model=model_cfg), vocab,
+                           build_model(model_cfg, len(vocab), pretrained=False).state_dict())
+    photo = tmp_path / "dog.png"
+    _photo().save(photo)
+    boxes = tmp_path / "boxes.jsonl"
+    boxes.write_text(json.dumps({"image": "dog.png", "objects": [{"words": ["dog"], "boxes": [[0, 0, 50, 50]]}]}))
+    out = tmp_path / "v.png"
+    torch.manual_seed(0)
+    code = main(["visualize", str(photo), "--checkpoint", str(ckpt), "--boxes", str(boxes), "-o", str(out),
+                 "--text", "a dog", "--device", "cpu"])
+    assert code == 0 and PIL.Image.open(out).size[0] > 100
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"image": "cat.png", "objects": []}))
+    code = main(["visualize", str(photo), "--checkpoint", str(ckpt), "--boxes", str(other), "-o", str(out),
+                 "--device", "cpu"])
+    assert code != 0 and "no boxes for dog.png" in capsys.readouterr().err

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.runtime == "onnx":  # an export folder or a checkpoint; the data settings from its manifest
         from captioner.deploy.runtime import exported_data
 
-        captioner = load_captioner(args)
+        captioner = load_captioner(args, teacher_forcing=True)  # the reference captions' grounding
         result, data = evaluate_split(captioner, exported_data(args.checkpoint[0]), args.split, args.data,
                                       args.image_root, args.limit, args.batch_size, **options, **settings)
     else:

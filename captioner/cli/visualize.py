@@ -20,6 +20,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--out", required=True, help="PNG to write: the photo, then one panel per word")
     p.add_argument("--per-word", metavar="DIR", help="also write one PNG per word into DIR")
     p.add_argument("--gif", metavar="OUT.gif", help="also write an animated GIF, one frame per word")
+    p.add_argument("--boxes", metavar="FILE",
+                   help="object boxes (JSON lines or COCO instances, as `evaluate --boxes`): outline the boxes of "
+                        "each word that names one, green when its map's peak is inside, red when not")
     p.add_argument("--opacity", "--alpha", type=float, default=0.6, dest="opacity",
                    help="opacity of the attention colours, 0..1 (default 0.6; --alpha is its old name)")
     p.set_defaults(func=run)
@@ -37,12 +40,21 @@ def run(args: argparse.Namespace) -> int:
         writable_dir(args.per_word, "folder for the per-word pictures")
     if not 0 <= args.opacity <= 1:
         raise CaptionerError(f"--opacity must be in [0, 1], got {args.opacity}")
+    objects = None
+    if args.boxes:
+        from pathlib import Path
+
+        from captioner.data.boxes import read_boxes
+
+        objects = read_boxes(args.boxes).get(Path(args.image).name)
+        if objects is None:
+            raise CaptionerError(f"{args.boxes}: no boxes for {Path(args.image).name}")
     image = load_image(args.image)
     captioner = load_captioner(args)
     (caption,) = captioner.caption([image], text=args.text, **settings)
     caption.path = args.image
     out = plot_attention(image, caption, args.out, per_word_dir=args.per_word, gif_path=args.gif,
-                         opacity=args.opacity)
+                         opacity=args.opacity, objects=objects)
     print(f"{args.image}\t{caption.text}" + (f"\t{word_logprobs(caption)}" if args.text is not None else ""))
     print(f"wrote {out}")
     if args.per_word:

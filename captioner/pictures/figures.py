@@ -17,7 +17,9 @@ import numpy as np
 import PIL.Image
 from PIL import ImageDraw, ImageFont
 
+from captioner.data.boxes import GroundObject
 from captioner.decoding.captioner import Caption
+from captioner.decoding.grounding import Look, look, word_objects
 from captioner.files import atomic_open
 from captioner.pictures.overlay import render_attention, word_focus
 
@@ -42,7 +44,7 @@ def grid_shape(n_panels: int) -> tuple[int, int]:
 
 def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *, per_word_dir: str | Path | None = None,
                    gif_path: str | Path | None = None, opacity: float = 0.6, cmap: str = "jet", dpi: int = DPI,
-                   frame_ms: int = 900) -> Path:
+                   frame_ms: int = 900, objects: list[GroundObject] | None = None) -> Path:
     """Draw the photo, then one panel per word with its attention over the photo; save a PNG.
 
     Args:
@@ -55,10 +57,12 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
         cmap: a matplotlib colormap name.
         dpi: resolution of the grid PNG.
         frame_ms: how long each GIF frame shows.
+        objects: the photo's boxed objects: a word naming one gets its boxes outlined on its panel,
+            green when the map's peak falls in one (the pointing game's hit), red when not.
     Returns:
         The path of the grid PNG.
     """
-    fig = attention_figure(image, caption, opacity, cmap, dpi)
+    fig = attention_figure(image, caption, opacity, cmap, dpi, objects)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "wb") as f:
@@ -72,10 +76,35 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
     return path
 
 
+def word_looks(caption: Caption, objects: list[GroundObject] | None) -> dict[int, tuple[Look, list]]:
+    """Word index -> (its pointing-game Look, the boxes of the object(s) it names), for the words
+    that name one of `objects`."""
+    found = {}
+    for t, named in enumerate(word_objects(caption.tokens, objects or [])):
+        if named is not None:
+            boxes = [b for j in named for b in objects[j].boxes]
+            found[t] = (look(caption.attention[t], caption.tokens[t], boxes, caption.image_size, caption.cells), boxes)
+    return found
+
+
+def _draw_boxes(ax, found: tuple[Look, list], scale: float, cells_centre: tuple[float, float]) -> None:
+    """Outline a word's boxes (green: its peak is in one, red: not) and mark the peak cell's centre."""
+    from matplotlib.patches import Rectangle
+
+    hit, boxes = found[0].hit, found[1]
+    colour = "lime" if hit else "red"
+    for x0, y0, x1, y1 in boxes:
+        ax.add_patch(Rectangle((x0 * scale, y0 * scale), (x1 - x0) * scale, (y1 - y0) * scale, fill=False,
+                               edgecolor=colour, linewidth=2))
+    ax.plot(*cells_centre, marker="+", color="white", markersize=12, markeredgewidth=2.5)
+    ax.plot(*cells_centre, marker="+", color=colour, markersize=10, markeredgewidth=1.5)
+
+
 def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 0.6, cmap: str = "jet",
-                     dpi: int = DPI):
+                     dpi: int = DPI, objects: list[GroundObject] | None = None):
     """The figure `plot_attention` saves (a matplotlib Figure on the Agg canvas): the caption, the
-    photo, one panel per word with its map and peak weight, and the colour scale they share."""
+    photo, one panel per word with its map and peak weight, and the colour scale they share; with
+    `objects`, each object word's boxes, green for a hit and red for a miss."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -102,6 +131,8 @@ def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 
                         top=1 - (header_in + title_in) / fig_h, wspace=0.04,
                         hspace=title_in / panel_h)
     logprobs = caption.word_logprobs or [None] * T
+    found = word_looks(caption, objects)
+    scale = w / caption.image_size[0]
     panels = [(photo, "(image)", None, None)] + [
         (render_attention(photo, caption.attention[t], opacity, cmap, caption.cells), word,
          word_focus(caption.attention[t]), logprobs[t]) for t, word in enumerate(caption.tokens)]
@@ -112,11 +143,24 @@ def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 
             picture, label, focus, logprob = panels[i]
             ax.imshow(np.asarray(picture), interpolation="bilinear")
             ax.set_title(label, fontsize=12, pad=3, color="dimgray" if i == 0 else "black")
+            if i - 1 in found:
+                _draw_boxes(ax, found[i - 1], scale, _peak_centre(caption, i - 1, (w, h)))
+                ax.set_title(f"{label} ({'hit' if found[i - 1][0].hit else 'miss'})", fontsize=12, pad=3,
+                             color="green" if found[i - 1][0].hit else "red")
             if focus is not None:
                 note = f"peak {focus[0]:.2f}" + (f"   log p {logprob:.2f}" if logprob is not None else "")
                 ax.text(0.02, 0.03, note, transform=ax.transAxes, fontsize=8, va="bottom",
                         bbox={"facecolor": "white", "alpha": 0.75, "pad": 1.5, "linewidth": 0})
     return fig
+
+
+def _peak_centre(caption: Caption, t: int, size: tuple[int, int]) -> tuple[float, float]:
+    """(x, y) in a picture of `size` of the receptive-field centre of word t's peak cell."""
+    from captioner.decoding.grounding import cell_centres
+
+    xs, ys = cell_centres(caption.attention[t].shape, size, caption.cells)
+    r, c = np.unravel_index(int(np.argmax(caption.attention[t])), caption.attention[t].shape)
+    return float(xs[c]), float(ys[r])
 
 
 def _draw_scale(fig, cmap: str, bottom_and_height: tuple[float, float], regions: int) -> None:
