@@ -20,7 +20,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("caption", help="caption images with a trained checkpoint")
     add_device(p)
     p.add_argument("images", nargs="+", metavar="IMG", help="image files, folders (their images) or glob patterns")
-    add_decode_options(p)
+    add_decode_options(p, bundled=True)
     add_runtime(p)
     p.add_argument("--json", action="store_true",
                    help="JSON lines: path, caption, tokens, score, attention (per word, rows x cols, sums to 1), "

@@ -27,11 +27,13 @@ def overrides(args: argparse.Namespace) -> list[str]:
     return list(args.overrides) + extra
 
 
-def add_decode_options(p: argparse.ArgumentParser) -> None:
-    """Decode settings; left out = the checkpoint's own."""
-    p.add_argument("--checkpoint", required=True, nargs="+", metavar="CKPT",
+def add_decode_options(p: argparse.ArgumentParser, bundled: bool = False) -> None:
+    """Decode settings; left out = the checkpoint's own. `bundled`: --checkpoint may be left out, for
+    the model bundled with the package (`load_captioner`)."""
+    p.add_argument("--checkpoint", required=not bundled, nargs="+", metavar="CKPT",
                    help="a checkpoint written by `captioner train`; several (one encoder and vocabulary) decode "
-                        "as an ensemble")
+                        "as an ensemble" + ("; default: the model bundled with the package, when it holds one"
+                                            if bundled else ""))
     p.add_argument("--beam", type=int, dest="beam_size", metavar="K",
                    help="beam size, 1 = greedy (default: the checkpoint's decode settings)")
     p.add_argument("--max-length", type=int, metavar="N", help="most words per caption (default: the checkpoint's)")
@@ -80,20 +82,42 @@ def word_logprobs(caption: Any) -> str:
 
 def add_runtime(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
-                   help="torch, or onnx: ONNX Runtime on the CPU, --checkpoint then an export folder of `captioner "
-                        "export` or a checkpoint (exported once into the cache); needs pip install 'captioner[onnx]'")
+                   help="torch, or onnx: ONNX Runtime on the CPU (without torch), --checkpoint then an export folder "
+                        "of `captioner export` or a checkpoint (exported once into the cache); needs pip install "
+                        "'captioner[onnx]'")
 
 
-def load_captioner(args: argparse.Namespace) -> Any:
-    """The Captioner the command's --checkpoint, --device and --runtime ask for."""
+def use_bundled_model(args: argparse.Namespace) -> None:
+    """No --checkpoint: the model bundled with the package (an export folder, so --runtime onnx) fills
+    args.checkpoint and args.runtime, for the command's messages too; a one-line error when the
+    package holds none."""
+    from captioner.deploy.folder import bundled_model
+
+    folder = bundled_model()
+    if folder is None:
+        raise CaptionerError("no model given and none bundled with this installation: pass --checkpoint CKPT (a "
+                             "checkpoint of `captioner train` or an export folder of `captioner export`)")
+    args.checkpoint, args.runtime = [str(folder)], "onnx"
+
+
+def load_captioner(args: argparse.Namespace, teacher_forcing: bool = False) -> Any:
+    """The Captioner the command's --checkpoint (or the bundled model), --device and --runtime ask for.
+    ONNX runs on ONNX Runtime and numpy alone (`deploy.lite`: no torch imported), unless the command
+    scores given words (`teacher_forcing`, or --text): that drives the graphs from torch (`deploy.runtime`)."""
+    if args.checkpoint is None:
+        use_bundled_model(args)
     if getattr(args, "runtime", "torch") == "onnx":
-        from captioner.deploy.runtime import onnx_captioner
-
         if len(args.checkpoint) > 1:
             raise CaptionerError("--runtime onnx takes one model (an ensemble runs with --runtime torch)")
         if args.device not in ("auto", "cpu"):
             raise CaptionerError(f"--runtime onnx runs on the CPU, not --device {args.device}")
-        return onnx_captioner(args.checkpoint[0])
+        if teacher_forcing or getattr(args, "text", None) is not None:
+            from captioner.deploy.runtime import onnx_captioner
+
+            return onnx_captioner(args.checkpoint[0])
+        from captioner.deploy.lite import lite_captioner
+
+        return lite_captioner(args.checkpoint[0])
     from captioner.decoding.captioner import Captioner
 
     return Captioner.from_checkpoint(args.checkpoint, args.device)

@@ -14,7 +14,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                        description="Serve the page (/) and the API (/api/caption, /api/health, /api/model; "
                                    "docs at /docs) for one model.")
     add_device(p)
-    add_decode_options(p)
+    add_decode_options(p, bundled=True)
     add_runtime(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                        "only; 0.0.0.0 for every network)")
