@@ -175,3 +175,23 @@ def test_imagenet_teacher_maps_a_word_by_the_classifier_at_each_region():
     keep, scores = teacher(out, tokens[0, 1:])
     assert keep.tolist() == [True, False, False]  # "dog" only: "man" has no ImageNet class, <end> neither
     assert scores.shape == (1, 3) and int(scores.argmax()) == 1
+
+
+def test_grouped_concepts_share_one_detector_output():
+    """man and woman name one kind of thing: grouped, both read the output of the group's first word,
+    and a photo captioned "woman" trains that output as present."""
+    from captioner.data.vocab import Vocabulary
+    from captioner.training.loss import concept_detection
+    from captioner.training.teachers import concept_slots
+
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "grass", "man", "woman", "dog", "puppy"])
+    slots = concept_slots(vocab, grouped=True)
+    assert slots[vocab.id("woman")] == slots[vocab.id("man")] and slots[vocab.id("puppy")] == vocab.id("dog")
+    assert slots[vocab.id("grass")] == vocab.id("grass") and concept_slots(vocab, False).tolist() == list(range(9))
+    L = 3
+    scores = torch.full((1, L, 9), -8.0)
+    scores[0, 1, vocab.id("man")] = 8.0  # the person output fires in region 1
+    tokens = torch.tensor([[1, vocab.id("woman"), 2]])
+    rows = torch.zeros(1, dtype=torch.long)
+    assert concept_detection(scores, tokens, rows, slots) < 0.01  # "woman" is a person: present
+    assert concept_detection(scores, tokens, rows) > 1.0  # ungrouped, the "woman" output never fired

@@ -173,6 +173,9 @@ class TrainConfig(_Section):
     # where a word is: "detector" = the decoder's own word detector (model.decoder.concepts), for every
     # content word; "imagenet" = the encoder's ImageNet classifier per region, for the words it has classes for
     concept_teacher: Literal["detector", "imagenet"] = "detector"
+    # the detector learns one output per kind of thing (man, woman, boy... -> person), from every photo
+    # whose captions name it however they call it, and teaches each word its kind's map
+    concept_groups: bool = False
     label_smoothing: float = 0.0
     scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"

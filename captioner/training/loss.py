@@ -17,7 +17,7 @@ from torch import Tensor
 from captioner.config import TrainConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
-from captioner.training.teachers import ImageNetTeacher, Teacher, content_words, detector_teacher
+from captioner.training.teachers import ImageNetTeacher, Teacher, concept_slots, content_words, detector_teacher
 
 
 class LossOutput(NamedTuple):
@@ -39,6 +39,7 @@ def caption_loss(
     label_smoothing: float = 0.0,
     concept_weight: float = 0.0,
     teacher: Teacher | None = None,
+    slots: Tensor | None = None,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -56,6 +57,7 @@ def caption_loss(
             decoder's word detector's own loss (`concept_detection`) is added whenever it has one.
         teacher: where each word is (captioner.training.teachers); None = the decoder's detector,
             for every word but the special ids.
+        slots: (V,) the detector output of each word (`concept_slots`); None = its own.
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
@@ -71,28 +73,34 @@ def caption_loss(
         entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(dim=-1).mean()
     total = xent + coverage_weight * coverage + entropy_weight * entropy
     if out.concepts is not None:
-        total = total + concept_detection(out.concepts, tokens, out.rows)
+        total = total + concept_detection(out.concepts, tokens, out.rows, slots)
     if concept_weight:
         teach = teacher or detector_teacher(torch.arange(out.logits.size(-1)) >= 4)
         total = total + concept_weight * concept_attention(out, targets, teach)
     return LossOutput(total, xent, coverage, entropy, zero)
 
 
-def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor) -> Tensor:
+def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Tensor | None = None) -> Tensor:
     """Multiple-instance learning of the word detector: a photo shows word w when some region does,
     p(w) = 1 - prod_regions (1 - sigmoid(s_lw)) (noisy-OR), trained with binary cross-entropy against
     the words of the photo's captions in the batch (<pad>/<start>/<end>/<unk> excluded).
 
     Args:
         concepts: (N, L, V) region scores. tokens: (B, T + 1) captions. rows: (B,) their photos.
+        slots: (V,) the output standing for each word (words of a group share one); None = its own.
+            Only the outputs some word stands for are trained.
     """
     N, _, V = concepts.shape
     present = torch.zeros(N, V, device=concepts.device)  # (N, V)
-    present[rows[:, None].expand_as(tokens), tokens] = 1.0
+    slot = tokens if slots is None else slots.to(tokens.device)[tokens]  # (B, T + 1)
+    present[rows[:, None].expand_as(tokens), slot] = 1.0
     log_absent = -F.softplus(concepts.float()).sum(dim=1)  # (N, V) log prod (1 - sigmoid) = log(1 - p)
     log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))  # (N, V) log p
     nll = -(present * log_present + (1 - present) * log_absent)  # (N, V)
-    return nll[:, 4:].mean()  # the four special ids are never words of a photo
+    used = torch.arange(V, device=concepts.device) >= 4  # the four special ids are never words of a photo
+    if slots is not None:
+        used &= slots.to(concepts.device) == torch.arange(V, device=concepts.device)
+    return nll[:, used].mean()
 
 
 def concept_attention(out: DecoderOutput, targets: Tensor, teacher: Teacher) -> Tensor:
@@ -109,7 +117,8 @@ def concept_attention(out: DecoderOutput, targets: Tensor, teacher: Teacher) -> 
     return -(target * out.alphas[keep].float().clamp_min(1e-12).log()).sum(dim=-1).mean()
 
 
-def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | None) -> Teacher | None:
+def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | None,
+                  slots: Tensor | None = None) -> Teacher | None:
     """The teacher `train.concept_teacher` names, for the run's vocabulary and encoder (None when
     `train.concept_weight` is 0)."""
     if not cfg.concept_weight:
@@ -120,12 +129,14 @@ def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | Non
         if encoder is None:
             raise ValueError("the ImageNet teacher needs the run's encoder name")
         return ImageNetTeacher.for_encoder(encoder, vocab)
-    return detector_teacher(content_words(vocab))
+    return detector_teacher(content_words(vocab), slots)
 
 
 def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None) -> Criterion:
     """`caption_loss` with the config's weights and teacher (`build_teacher`): (packed decoder output,
     tokens) -> LossOutput."""
-    teacher = build_teacher(cfg, vocab, encoder)
+    slots = concept_slots(vocab, cfg.concept_groups) if vocab is not None else None
+    teacher = build_teacher(cfg, vocab, encoder, slots)
     return functools.partial(caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
-                             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher)
+                             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher,
+                             slots=slots)

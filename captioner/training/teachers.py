@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from captioner.config import ConfigError
+from captioner.data.boxes import COCO_WORDS
 from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
 from captioner.model.decoder import DecoderOutput
 from captioner.model.imagenet_words import IMAGENET_WORDS
@@ -28,15 +29,31 @@ def content_words(vocab: Vocabulary) -> Tensor:
     return torch.tensor([i >= 4 and vocab.word(i) not in FUNCTION_WORDS for i in range(len(vocab))])
 
 
-def detector_teacher(content: Tensor) -> Teacher:
-    """The word detector's region scores (`out.concepts`, detached) for every content word."""
+def concept_slots(vocab: Vocabulary, grouped: bool) -> Tensor:
+    """(V,) int64: the detector's output that stands for each word. Grouped, the words naming one
+    kind of thing (a COCO category's words: man, woman, boy, girl... are all "person") share their
+    first word's output, so the detector learns "a person is here" from every photo whose captions
+    mention anyone, however they call them; else each word has its own."""
+    slots = torch.arange(len(vocab))
+    if grouped:
+        for words in COCO_WORDS.values():
+            ids = [vocab.id(w) for w in words if w in vocab and " " not in w]
+            for i in ids:
+                slots[i] = slots[ids[0]] if slots[i] == i else slots[i]  # a word in two groups keeps the first
+    return slots
+
+
+def detector_teacher(content: Tensor, slots: Tensor | None = None) -> Teacher:
+    """The word detector's region scores (`out.concepts`, detached) for every content word, read at
+    each word's slot (`concept_slots`; None = its own id)."""
 
     def teach(out: DecoderOutput, words: Tensor) -> tuple[Tensor, Tensor]:
         if out.concepts is None:
             raise ValueError("the detector teacher needs model.decoder.concepts")
         keep = content.to(words.device)[words]  # (P,)
         photo = out.rows[out.caption[keep]]  # (P',)
-        return keep, out.concepts.detach().float()[photo, :, words[keep]]  # (P', L)
+        slot = words[keep] if slots is None else slots.to(words.device)[words[keep]]  # (P',)
+        return keep, out.concepts.detach().float()[photo, :, slot]  # (P', L)
 
     return teach
 
