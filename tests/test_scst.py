@@ -11,7 +11,7 @@ from captioner.config import ConfigError, load_config
 from captioner.data.sources import load_records
 from captioner.data.vocab import tokenize
 from captioner.decoding.cider import CiderD
-from captioner.decoding.search import sample
+from captioner.decoding.sampling import sample
 from captioner.model.checkpoint import load_checkpoint, load_model
 from captioner.training import run_config, train
 

@@ -1,4 +1,5 @@
-"""Datasets over records: cached grids or images, with encoded captions; and the pure `collate`.
+"""Datasets over records: cached grids or images, with encoded captions; the pure `collate`, and
+`pad_captions`, the one place captions are padded into a batch.
 
 Inputs are either cached features, (L, D) float32 per image (from a `FeatureCache`), or images,
 (3, S, S) through a transform (no cache, e.g. when the encoder is fine-tuned). The five captions
@@ -145,6 +146,16 @@ class ImageDataset(_ImageInputs):
         return ImageItem(self.load_input(image_id), image_id)
 
 
+def pad_captions(captions: Sequence[Sequence[int] | Tensor], pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """Encoded captions (`<start> w1 .. wn <end>`, any lengths) -> tokens (B, T) int64, padded with
+    `pad_id` to the longest, and lengths (B,) int64, the scored positions of each (words + <end>). Pure."""
+    sizes = [len(c) for c in captions]
+    tokens = torch.full((len(captions), max(sizes)), pad_id, dtype=torch.long)  # (B, T)
+    for row, caption in enumerate(captions):
+        tokens[row, : len(caption)] = torch.as_tensor(caption)
+    return tokens, torch.tensor(sizes, dtype=torch.long) - 1  # (B, T), (B,)
+
+
 def collate(batch: Sequence[CaptionItem], pad_id: int = 0) -> Batch:
     """Stack each distinct image's input once (captions of one image share it: the decoder projects
     it once) and pad captions to the longest in the batch. Pure."""
@@ -154,11 +165,7 @@ def collate(batch: Sequence[CaptionItem], pad_id: int = 0) -> Batch:
     inputs = torch.stack([batch[row].inputs for row in first.values()])  # (N, L, D) or (N, 3, S, S)
     index = {image_id: n for n, image_id in enumerate(first)}
     rows = torch.tensor([index[it.image_id] for it in batch], dtype=torch.long)  # (B,)
-    sizes = [len(it.tokens) for it in batch]
-    tokens = torch.full((len(batch), max(sizes)), pad_id, dtype=torch.long)  # (B, T)
-    for row, it in enumerate(batch):
-        tokens[row, : len(it.tokens)] = it.tokens
-    lengths = torch.tensor(sizes, dtype=torch.long) - 1  # (B,) words + <end>
+    tokens, lengths = pad_captions([it.tokens for it in batch], pad_id)  # (B, T), (B,)
     image_ids = torch.tensor([it.image_id for it in batch], dtype=torch.long)  # (B,)
     return Batch(inputs, tokens, lengths, image_ids, rows)
 

@@ -13,28 +13,31 @@ An `<end>` candidate among an image's top K is set aside as a finished hypothesi
 length-penalised); the other top candidates continue. An image is done when it holds K finished
 hypotheses (fairseq's rule, which makes K = 1 exactly greedy decoding), or after `max_length` words
 plus one more step for `<end>`. A done image's rows leave the batch, so a batch costs what its
-images cost one by one, not its longest caption times its size. When no
-beam of an image ever ended, its best live beam is returned with `finished=False`: there is
-always a caption. `min_length` (1 in `decode`) keeps <end> away until a caption has words.
+images cost one by one, not its longest caption times its size. When no beam of an image ever
+ended, its best live beam is returned with `finished=False`: there is always a caption.
+`min_length` (1 in `decode`) keeps <end> away until a caption has words. The steps are small
+named functions, as fairseq's `SequenceGenerator` has them: `_expand`, `_top_candidates`,
+`_finalize`, `_prune`, `_advance`, `_best`.
 
 Log-probabilities come from a float32 log-softmax over the full vocabulary; banned ids
-(`<pad>`, `<start>`, `<unk>` in `decode`) are set to -inf *after* it, so a score is the model's
-own probability of the words it wrote. Callers put the decoder in eval mode (dropout off) and run
-under `torch.inference_mode()`; these functions also disable autograd themselves. Nothing here
-picks a device: every tensor follows `features`.
+(`<pad>`, `<start>`, `<unk>` in `decode`) are set to -inf *after* it (`ban`, which sampling uses
+too), so a score is the model's own probability of the words it wrote. Callers put the decoder in
+eval mode (dropout off) and run under `torch.inference_mode()`; these functions also disable
+autograd themselves. Nothing here picks a device: every tensor follows `features`.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from captioner.config import DecodeConfig
 from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
-from captioner.model.decoder import AttentionDecoder
+from captioner.model.decoder import AttentionDecoder, Memory
 
 NEG_INF = float("-inf")
 
@@ -73,15 +76,16 @@ def _hypothesis(tokens: list[int], logprob: float, alphas: Tensor, finished: boo
     return Hypothesis(tokens, logprob, score, alphas, finished)
 
 
-def _log_probs(logits: Tensor, banned: Tensor) -> Tensor:
-    """(R, V) logits -> (R, V) float32 log-probs with the `banned` ids (int64 (N,)) at -inf."""
-    return torch.log_softmax(logits.float(), dim=-1).index_fill_(1, banned, NEG_INF)  # (R, V)
-
-
-def _banned(banned_ids: Sequence[int], end_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The ids never emitted, and those plus <end> (before min_length), as int64 tensors."""
-    return (torch.tensor(list(banned_ids), dtype=torch.long, device=device),
-            torch.tensor([*banned_ids, end_id], dtype=torch.long, device=device))
+def ban(scores: Tensor, banned: Tensor, end_id: int, too_short: Tensor | bool) -> Tensor:
+    """What decoding and sampling never write, set to -inf in (R, V) `scores`, in place: the `banned`
+    ids (int64 (N,)) in every row, <end> in the rows with fewer than `min_length` words (`too_short`:
+    a bool for all rows, or (R,) bool). SCST masks its packed logits with it too."""
+    scores.index_fill_(1, banned, NEG_INF)
+    if isinstance(too_short, Tensor):
+        scores[:, end_id].masked_fill_(too_short, NEG_INF)
+    elif too_short:
+        scores[:, end_id] = NEG_INF
+    return scores
 
 
 def block_repeated_ngrams(logp: Tensor, words: Tensor, n: int) -> Tensor:
@@ -108,21 +112,57 @@ def block_repeated_ngrams(logp: Tensor, words: Tensor, n: int) -> Tensor:
     return logp.scatter_add_(1, windows[:, :, -1], penalty)
 
 
+class _Beams(NamedTuple):
+    """The live beams of the n images still searched: R = n·K rows, image by image."""
+
+    ids: list[int]  # the input index of each image
+    tokens: Tensor  # (R,) the last word of each beam
+    hidden: Tensor  # (R, H)
+    memory: Memory  # features (R, L, D), keys (R, L, A)
+    scores: Tensor  # (n, K) summed log-probs; -inf for a beam not live
+    words: Tensor  # (R, t)
+    history: Tensor  # (R, t, L) float32: the attention of the step that wrote each word
+
+
+class _Top(NamedTuple):
+    """The best 2K candidates of each image, (n, 2K) each, best first: K live beams survive any K <end>s."""
+
+    scores: Tensor
+    beam: Tensor  # the beam within the image a candidate extends
+    token: Tensor
+    is_end: Tensor
+    any_end: bool  # most steps have none: nothing to sort out
+
+
+class _Rules:
+    """What a search may write next: never a banned id; <end> not before `min_length` words nor right
+    after a function word (`no_end_after`); no repeated `no_repeat_ngram`-gram."""
+
+    def __init__(self, banned_ids: Sequence[int], end_id: int, min_length: int, no_repeat_ngram: int,
+                 no_end_after: Sequence[int], device: torch.device) -> None:
+        self.banned = torch.tensor(list(banned_ids), dtype=torch.long, device=device)
+        self.end_id, self.min_length = end_id, min_length
+        self.no_repeat_ngram, self.no_end_after = no_repeat_ngram, list(no_end_after)
+        self.no_end: Tensor | None = None  # (V,) bool: ids after which <end> is not allowed
+
+    def log_probs(self, logits: Tensor, words: Tensor, t: int) -> Tensor:
+        """(R, V) logits of step t after (R, t) words -> (R, V) float32 log-probs, -inf where not allowed."""
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+        ban(logp, self.banned, self.end_id, t < self.min_length)
+        if self.no_repeat_ngram:
+            block_repeated_ngrams(logp, words, self.no_repeat_ngram)
+        if self.no_end_after and t > 0:
+            if self.no_end is None:
+                self.no_end = torch.zeros(logp.size(-1), dtype=torch.bool, device=logp.device)
+                self.no_end[self.no_end_after] = True
+            logp[:, self.end_id].masked_fill_(self.no_end[words[:, -1]], NEG_INF)  # last word a function word
+        return logp
+
+
 @torch.no_grad()
-def beam_search(
-    decoder: AttentionDecoder,
-    features: Tensor,
-    beam_size: int,
-    max_length: int,
-    start_id: int,
-    end_id: int,
-    banned_ids: Sequence[int] = (),
-    length_penalty: float = 1.0,
-    no_repeat_ngram: int = 0,
-    min_length: int = 0,
-    n_best: int = 1,
-    no_end_after: Sequence[int] = (),
-) -> list[list[Hypothesis]]:
+def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max_length: int, start_id: int,
+                end_id: int, banned_ids: Sequence[int] = (), length_penalty: float = 1.0, no_repeat_ngram: int = 0,
+                min_length: int = 0, n_best: int = 1, no_end_after: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Beam search over a batch of images; the best `n_best` hypotheses per image, best first.
 
     Args:
@@ -143,119 +183,105 @@ def beam_search(
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best {n_best}: expected 1 to beam_size ({beam_size})")
+    K, rules = beam_size, _Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, features.device)
+    beams = _expand(decoder, features, K, start_id)
+    finals: list[list[Hypothesis]] = [[] for _ in range(features.size(0))]
+    for t in range(max_length + 1):
+        out = decoder.step(beams.tokens, beams.hidden, beams.memory)  # logits (R, V), alpha (R, L), hidden (R, H)
+        top = _top_candidates(beams.scores, rules.log_probs(out.logits, beams.words, t), K, end_id)
+        if top.any_end:  # an <end> within an image's top K ranks: a finished hypothesis
+            _finalize(finals, beams, K, top, length_penalty)
+        if t == max_length:
+            break
+        going = [b for b, i in enumerate(beams.ids) if len(finals[i]) < K]  # K finished: the image is done
+        if not going:
+            break
+        hidden, alpha = out.hidden, out.alpha  # (R, H), (R, L)
+        if len(going) < len(beams.ids):
+            beams, top, hidden, alpha = _prune(beams, top, hidden, alpha, going, K)
+        beams = _advance(beams, top, hidden, alpha, K)
+    return [_best(finals[i], beams, i, n_best, length_penalty) for i in range(features.size(0))]
+
+
+def _expand(decoder: AttentionDecoder, features: Tensor, K: int, start_id: int) -> _Beams:
+    """The memory once per image, expanded to B·K rows; only beam 0 live (the K would be identical)."""
     B, L, _ = features.shape
-    K = beam_size
     device = features.device
     memory = decoder.memory(features)  # once per image: features (B, L, D), keys (B, L, A)
     image_of_row = torch.arange(B, device=device).repeat_interleave(K)  # (B·K,): 0,0,..,1,1,..
     hidden = decoder.init_hidden(memory)[image_of_row]  # (B, H) -> (B·K, H)
-    memory = memory.select(image_of_row)  # (B·K, L, D), (B·K, L, A)
-    tokens = torch.full((B * K,), start_id, dtype=torch.long, device=device)  # (R,)
-    scores = torch.full((B, K), NEG_INF, dtype=torch.float32, device=device)  # (B, K) summed log-probs
-    scores[:, 0] = 0.0  # only beam 0 is live at the start: the K beams would be identical
-    words = torch.empty(B * K, 0, dtype=torch.long, device=device)  # (R, t)
-    history = torch.empty(B * K, 0, L, dtype=torch.float32, device=device)  # (R, t, L) float32 maps
-    ids = list(range(B))  # the input index of each image still searched; R = len(ids)·K rows
-    finals: list[list[Hypothesis]] = [[] for _ in range(B)]
-    banned, banned_with_end = _banned(banned_ids, end_id, device)
-    no_end = None  # (V,) bool: ids after which <end> is not allowed
-    first_rows = torch.arange(B, device=device).unsqueeze(1) * K  # (B, 1) first row of each image
-    for t in range(max_length + 1):
-        n, R = len(ids), len(ids) * K
-        out = decoder.step(tokens, hidden, memory)  # logits (R, V), alpha (R, L), hidden (R, H)
-        V = out.logits.size(-1)
-        logp = _log_probs(out.logits, banned_with_end if t < min_length else banned)  # (R, V)
-        if no_repeat_ngram:
-            block_repeated_ngrams(logp, words, no_repeat_ngram)
-        if no_end_after and t > 0:
-            if no_end is None:
-                no_end = torch.zeros(V, dtype=torch.bool, device=device)
-                no_end[list(no_end_after)] = True
-            logp[:, end_id].masked_fill_(no_end[words[:, -1]], NEG_INF)  # beams whose last word is a function word
-        cand = (scores.view(R, 1) + logp).view(n, K * V)  # (n, K·V)
-        top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K): K live beams survive any K <end>s
-        top_beam = torch.div(top_idx, V, rounding_mode="floor")  # (n, 2K) beam within the image
-        top_tok = top_idx % V  # (n, 2K)
-        is_end = top_tok == end_id  # (n, 2K)
-        new_hidden, new_alpha = out.hidden, out.alpha  # (R, H), (R, L)
-
-        any_end = bool(is_end.any())  # most steps have none among the 2K candidates: nothing to sort out
-
-        # 1. <end> within an image's top K ranks: a finished hypothesis (words so far, no new word).
-        if any_end:
-            _finalize(finals, ids, K, top_scores[:, :K], top_beam[:, :K], is_end[:, :K], words, history,
-                      length_penalty)
-        if t == max_length:
-            break
-
-        # 2. An image with K finished hypotheses is done: its rows leave the batch.
-        going = [b for b, i in enumerate(ids) if len(finals[i]) < K]
-        if not going:
-            break
-        if len(going) < n:
-            sel = torch.tensor(going, device=device)  # (n',)
-            rows = (sel.unsqueeze(1) * K + torch.arange(K, device=device)).view(-1)  # (n'·K,)
-            ids = [ids[b] for b in going]
-            top_scores, top_beam, top_tok, is_end = (x.index_select(0, sel) for x in (top_scores, top_beam, top_tok, is_end))
-            new_hidden, new_alpha = new_hidden.index_select(0, rows), new_alpha.index_select(0, rows)
-            words, history = words.index_select(0, rows), history.index_select(0, rows)
-            memory = memory.select(rows)
-            n, R = len(ids), len(ids) * K
-
-        # 3. The best K non-<end> candidates continue (a stable sort keeps the rank order). Each beam
-        # has one <end>, so 2K candidates hold at least K others.
-        if any_end:
-            keep = torch.sort(is_end.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # (n, K) positions
-            top_scores, top_beam, top_tok = (x.gather(1, keep) for x in (top_scores, top_beam, top_tok))  # (n, K)
-        scores = top_scores[:, :K].contiguous()  # (n, K)
-        src = (first_rows[:n] + top_beam[:, :K]).reshape(R)  # (R,) row each new beam comes from
-        tokens = top_tok[:, :K].reshape(R)  # (R,)
-        hidden = new_hidden.index_select(0, src)  # (R, H)
-        words = torch.cat([words.index_select(0, src), tokens.unsqueeze(1)], dim=1)  # (R, t + 1)
-        history = torch.cat([history.index_select(0, src), new_alpha.index_select(0, src).unsqueeze(1)], dim=1)  # (R, t + 1, L)
-
-    # The finished hypotheses by score (a stable sort keeps the first found on ties); an image without
-    # one is still in `ids` (only done images leave), and its best live beams are returned unfinished.
-    t = words.size(1)
-    words, history = words.view(len(ids), K, t), history.view(len(ids), K, t, L)  # per image
-    row_of = {i: b for b, i in enumerate(ids)}
-    result = []
-    for i in range(B):
-        if finals[i]:
-            result.append(sorted(finals[i], key=lambda h: -h.score)[:n_best])
-        else:
-            b = row_of[i]
-            order = scores[b].argsort(descending=True, stable=True)[:n_best].tolist()
-            result.append([_hypothesis(words[b, k].tolist(), float(scores[b, k]), history[b, k], False,
-                                       length_penalty) for k in order if math.isfinite(float(scores[b, k]))])
-    return result
+    scores = torch.full((B, K), NEG_INF, dtype=torch.float32, device=device)  # (B, K)
+    scores[:, 0] = 0.0
+    return _Beams(list(range(B)), torch.full((B * K,), start_id, dtype=torch.long, device=device), hidden,
+                  memory.select(image_of_row), scores, torch.empty(B * K, 0, dtype=torch.long, device=device),
+                  torch.empty(B * K, 0, L, dtype=torch.float32, device=device))
 
 
-def _finalize(
-    finals: list[list[Hypothesis]],
-    ids: list[int],
-    K: int,
-    scores: Tensor,
-    beams: Tensor,
-    is_end: Tensor,
-    words: Tensor,
-    history: Tensor,
-    exponent: float,
-) -> None:
-    """Move the <end> candidates of images that are not done into `finals`, in rank order.
+def _top_candidates(scores: Tensor, logp: Tensor, K: int, end_id: int) -> _Top:
+    """One `topk` over each image's (K·V) candidate scores: beam = idx // V, token = idx % V."""
+    n, V = scores.size(0), logp.size(-1)
+    cand = (scores.view(n * K, 1) + logp).view(n, K * V)  # (n, K·V)
+    top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
+    token = top_idx % V  # (n, 2K)
+    is_end = token == end_id  # (n, 2K)
+    return _Top(top_scores, torch.div(top_idx, V, rounding_mode="floor"), token, is_end, bool(is_end.any()))
 
-    ids: input index of each of the n images; scores, beams, is_end: (n, K) the top K candidates;
-    words (n·K, t), history (n·K, t, L) before this step.
-    """
-    ends = is_end & torch.isfinite(scores)  # (n, K)
+
+def _prune(beams: _Beams, top: _Top, hidden: Tensor, alpha: Tensor, going: list[int],
+           K: int) -> tuple[_Beams, _Top, Tensor, Tensor]:
+    """Only the rows of the images still `going` (their indices among the n): done images leave the batch."""
+    sel = torch.tensor(going, device=hidden.device)  # (n',)
+    rows = (sel.unsqueeze(1) * K + torch.arange(K, device=hidden.device)).view(-1)  # (n'·K,)
+    kept = beams._replace(ids=[beams.ids[b] for b in going], memory=beams.memory.select(rows),
+                          words=beams.words.index_select(0, rows), history=beams.history.index_select(0, rows))
+    top = _Top(*(x.index_select(0, sel) for x in top[:4]), top.any_end)
+    return kept, top, hidden.index_select(0, rows), alpha.index_select(0, rows)
+
+
+def _advance(beams: _Beams, top: _Top, hidden: Tensor, alpha: Tensor, K: int) -> _Beams:
+    """The best K candidates that are not <end> become the beams (a stable sort keeps the rank order;
+    each beam has one <end>, so 2K candidates hold at least K others); hidden state, words and
+    attention history are gathered by the beam each comes from."""
+    scores, beam, token = top.scores, top.beam, top.token  # (n, 2K)
+    if top.any_end:
+        keep = torch.sort(top.is_end.to(torch.uint8), dim=1, stable=True).indices[:, :K]  # (n, K) positions
+        scores, beam, token = (x.gather(1, keep) for x in (scores, beam, token))  # (n, K)
+    n = len(beams.ids)
+    src = (torch.arange(n, device=beam.device).unsqueeze(1) * K + beam[:, :K]).reshape(n * K)  # (R,) each one's row
+    tokens = token[:, :K].reshape(n * K)  # (R,)
+    return beams._replace(
+        tokens=tokens, hidden=hidden.index_select(0, src), scores=scores[:, :K].contiguous(),
+        words=torch.cat([beams.words.index_select(0, src), tokens.unsqueeze(1)], dim=1),  # (R, t + 1)
+        history=torch.cat([beams.history.index_select(0, src), alpha.index_select(0, src).unsqueeze(1)], dim=1))
+
+
+def _finalize(finals: list[list[Hypothesis]], beams: _Beams, K: int, top: _Top, exponent: float) -> None:
+    """Move the <end> candidates among the top K of images that are not done into `finals`, in rank
+    order, each with the words and attention of the beam it ends (before this step)."""
+    scores, ends = top.scores[:, :K], top.is_end[:, :K] & torch.isfinite(top.scores[:, :K])  # (n, K)
     if not bool(ends.any()):
         return
-    scores_, beams_ = scores.tolist(), beams.tolist()  # one transfer, not one per candidate
+    scores_, beams_ = scores.tolist(), top.beam[:, :K].tolist()  # one transfer, not one per candidate
     for b, j in ends.nonzero().tolist():  # row-major: rank order within each image
-        if len(finals[ids[b]]) >= K:  # more <end>s in one step than the image still needs
+        if len(finals[beams.ids[b]]) >= K:  # more <end>s in one step than the image still needs
             continue
         row = b * K + beams_[b][j]
-        finals[ids[b]].append(_hypothesis(words[row].tolist(), scores_[b][j], history[row], True, exponent))
+        finals[beams.ids[b]].append(_hypothesis(beams.words[row].tolist(), scores_[b][j], beams.history[row], True,
+                                                exponent))
+
+
+def _best(finals: list[Hypothesis], beams: _Beams, image: int, n_best: int, exponent: float) -> list[Hypothesis]:
+    """An image's finished hypotheses by score (a stable sort keeps the first found on ties); an
+    image without one is still among the beams (only done images leave), and its best live beams
+    are returned unfinished."""
+    if finals:
+        return sorted(finals, key=lambda h: -h.score)[:n_best]
+    K = beams.scores.size(1)
+    b = beams.ids.index(image)
+    rows = range(b * K, b * K + K)
+    order = beams.scores[b].argsort(descending=True, stable=True)[:n_best].tolist()
+    return [_hypothesis(beams.words[rows[k]].tolist(), float(beams.scores[b, k]), beams.history[rows[k]], False,
+                        exponent) for k in order if math.isfinite(float(beams.scores[b, k]))]
 
 
 def decode(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig, vocab: Vocabulary) -> list[Hypothesis]:
@@ -272,43 +298,3 @@ def decode_n_best(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
                        length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
                        n_best=n_best, no_end_after=function_ids)
-
-
-@torch.no_grad()
-def sample(decoder: AttentionDecoder, features: Tensor, n: int, max_length: int, start_id: int, end_id: int,
-           pad_id: int, banned_ids: Sequence[int] = (), min_length: int = 1,
-           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """`n` captions per image drawn from the model (multinomial, temperature 1), with the masking
-    and length limits decoding uses: banned ids never drawn, no <end> before `min_length` words,
-    at most `max_length` words (a caption cut there has no <end>).
-
-    Args:
-        decoder: in the mode whose distribution is wanted (eval: no dropout).
-        features: (B, L, D) encoder grids.
-        n: captions per image; rows b·n .. b·n + n - 1 are image b's.
-    Returns:
-        tokens (B·n, T) word ids, then <end> where drawn, then <pad>; lengths (B·n,) the scored
-        positions of each (its words, plus <end> when drawn), at least 1.
-    """
-    B = features.size(0)
-    R = B * n
-    memory = decoder.memory(features)  # (B, L, D), (B, L, A): once per image
-    rows = torch.arange(B, device=features.device).repeat_interleave(n)  # (R,)
-    state = decoder.init_hidden(memory)[rows]  # (R, H) or (R, H + D)
-    memory = memory.select(rows)  # (R, L, D), (R, L, A)
-    token = torch.full((R,), start_id, dtype=torch.long, device=features.device)  # (R,)
-    alive = torch.ones(R, dtype=torch.bool, device=features.device)  # (R,) not ended yet
-    banned, banned_with_end = _banned(banned_ids, end_id, features.device)
-    drawn = []
-    for t in range(max_length):  # a caption still going after max_length words is cut (no <end>)
-        out = decoder.step(token, state, memory)  # logits (R, V), hidden (R, ...)
-        logp = _log_probs(out.logits, banned_with_end if t < min_length else banned)  # (R, V)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # (R,)
-        token = torch.where(alive, token, torch.full_like(token, pad_id))
-        drawn.append(token)
-        alive &= token != end_id
-        state = out.hidden
-        if not bool(alive.any()):
-            break
-    tokens = torch.stack(drawn, dim=1)  # (R, T)
-    return tokens, (tokens != pad_id).sum(dim=1)

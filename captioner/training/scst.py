@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captioner.config import DecodeConfig, TrainConfig
-from captioner.data.datasets import ImageBatch
+from captioner.data.datasets import ImageBatch, pad_captions
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.decoding.cider import CiderD
-from captioner.decoding.search import decode, sample
+from captioner.decoding.sampling import sample
+from captioner.decoding.search import ban, decode
 from captioner.model.caption_model import CaptionModel
 from captioner.training.loss import LossOutput
 
@@ -115,10 +116,10 @@ class SelfCritical:
 
     def _token_log_probs(self, logits: Tensor, targets: Tensor, step: Tensor) -> Tensor:
         """(P, V) logits, (P,) targets and positions -> (P,) float32 log-probabilities of the targets
-        under the distribution `sample` draws from: banned ids, and <end> at the first word, masked."""
-        logits = logits.float().index_fill(1, torch.tensor(self.banned, device=logits.device), float("-inf"))
-        logits[:, self.vocab.end_id] = torch.where(step < 1, float("-inf"), logits[:, self.vocab.end_id])
-        return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+        under the distribution `sample` draws from (`ban`: banned ids, and <end> at the first word, masked)."""
+        banned = torch.tensor(self.banned, device=logits.device)
+        masked = ban(logits.float().clone(), banned, self.vocab.end_id, step < 1)  # (P, V)
+        return torch.log_softmax(masked, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
 
     def _kl_from_initial(self, logits: Tensor, features: Tensor, seqs: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
         """Mean over the P sampled positions of KL(policy || initial model), from the policy's packed
@@ -131,12 +132,8 @@ class SelfCritical:
     def _reference_xent(self, features: Tensor, image_ids: list[int], device: torch.device) -> Tensor:
         """Cross-entropy of the batch images' reference captions (teacher forcing, packed)."""
         captions = [(n, ids) for n, i in enumerate(image_ids) for ids in self.ref_ids[i]]
-        width = max(len(ids) for _, ids in captions)
-        tokens = torch.full((len(captions), width), self.vocab.pad_id, dtype=torch.long)
-        for row, (_, ids) in enumerate(captions):
-            tokens[row, : len(ids)] = torch.tensor(ids)
-        tokens = tokens.to(device)  # (C, T + 1)
-        lengths = torch.tensor([len(ids) - 1 for _, ids in captions], device=device)  # (C,)
+        tokens, lengths = pad_captions([ids for _, ids in captions], self.vocab.pad_id)  # (C, T + 1), (C,)
+        tokens, lengths = tokens.to(device), lengths.to(device)
         rows = torch.tensor([n for n, _ in captions], device=device)  # (C,)
         out = self.net(features, tokens, lengths, rows)
         return F.cross_entropy(out.logits.float(), tokens[out.caption, out.step + 1])
