@@ -10,10 +10,11 @@
 
 Each run is a new Python process (the file cache is warm: one uncounted run of each first); the
 commands run in turn, so drift on a shared machine spreads over all three. Printed: min / median /
-max wall seconds of each, then where each spends its imports (`python -X importtime`: the
-top-level imports by cumulative time, the captioner's own lazy imports included). Without --export,
-the bundled model (captioner/models/flickr8k) is timed. Threads: OMP_NUM_THREADS as given (the
-encoder's, for both runtimes).
+max wall seconds of each, its median CPU seconds (user + system: on a busy machine the wall time
+waits for a core, the CPU time does not) and peak memory; then where each spends its imports
+(`python -X importtime`: the top-level imports by cumulative time, the captioner's own lazy imports
+included). Without --export, the bundled model (captioner/models/flickr8k) is timed. Threads:
+OMP_NUM_THREADS as given (the encoder's, for both runtimes).
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared/data/flickr8k-800/Images"
@@ -58,16 +61,28 @@ def commands(args: argparse.Namespace, export: str) -> dict[str, list[str]]:
     return rows
 
 
-def run_once(command: list[str], importtime: bool = False) -> tuple[float, str]:
-    """Wall seconds of one whole process, and its stderr; a failed run stops the benchmark."""
+class Run(NamedTuple):
+    wall: float  # seconds, start to exit
+    cpu: float  # user + system seconds of the process: what a busy machine does not inflate
+    peak_mib: float  # its largest resident set
+    stderr: str
+
+
+def run_once(command: list[str], importtime: bool = False) -> Run:
+    """One whole process, measured from outside; a failed run stops the benchmark."""
     if importtime:
         command = [command[0], "-X", "importtime", *command[1:]]
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command[3:])}: exit {done.returncode}\n{done.stderr[-2000:]}")
-    return seconds, done.stderr
+    with tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
+    if process.returncode != 0:
+        sys.exit(f"{' '.join(command[3:])}: exit {process.returncode}\n{stderr[-2000:]}")
+    return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, stderr)
 
 
 def top_imports(stderr: str, n: int) -> list[tuple[str, float]]:
@@ -91,18 +106,21 @@ def main(args: argparse.Namespace) -> None:
     rows = commands(args, export)
     for command in rows.values():  # warm the file cache; not counted
         run_once(command)
-    times: dict[str, list[float]] = {name: [] for name in rows}
+    runs: dict[str, list[Run]] = {name: [] for name in rows}
     for _ in range(args.runs):
         for name, command in rows.items():
-            times[name].append(run_once(command)[0])
+            runs[name].append(run_once(command))
     print(f"photo {args.photo}\nexport {export}  checkpoint {args.checkpoint or '-'}  "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}  {args.runs} runs each\n")
-    print(f"{'whole process, s':<20}{'min':>8}{'median':>8}{'max':>8}")
-    for name, seconds in times.items():
-        print(f"{name:<20}{min(seconds):>8.3f}{statistics.median(seconds):>8.3f}{max(seconds):>8.3f}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}  {args.runs} runs each, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    print(f"{'whole process':<20}{'wall s: min':>12}{'median':>8}{'max':>8}{'cpu s':>8}{'peak MiB':>10}")
+    for name, measured in runs.items():
+        wall = [r.wall for r in measured]
+        print(f"{name:<20}{min(wall):>12.3f}{statistics.median(wall):>8.3f}{max(wall):>8.3f}"
+              f"{statistics.median(r.cpu for r in measured):>8.3f}{statistics.median(r.peak_mib for r in measured):>10.0f}")
     for name, command in rows.items():
         print(f"\n{name}: top-level imports (cumulative s, python -X importtime)")
-        for module, seconds in top_imports(run_once(command, importtime=True)[1], args.top):
+        for module, seconds in top_imports(run_once(command, importtime=True).stderr, args.top):
             print(f"  {module:<40}{seconds:>7.3f}")
 
 
