@@ -116,8 +116,8 @@ def main(args: argparse.Namespace) -> None:
     print(f"{'whole process':<20}{'wall s: min':>12}{'median':>8}{'max':>8}{'cpu s':>8}{'peak MiB':>10}")
     for name, measured in runs.items():
         wall = [r.wall for r in measured]
-        print(f"{name:<20}{min(wall):>12.3f}{statistics.median(wall):>8.3f}{max(wall):>8.3f}"
-              f"{statistics.median(r.cpu for r in measured):>8.3f}{statistics.median(r.peak_mib for r in measured):>10.0f}")
+        cpu, peak = statistics.median(r.cpu for r in measured), statistics.median(r.peak_mib for r in measured)
+        print(f"{name:<20}{min(wall):>12.3f}{statistics.median(wall):>8.3f}{max(wall):>8.3f}{cpu:>8.3f}{peak:>10.0f}")
     for name, command in rows.items():
         print(f"\n{name}: top-level imports (cumulative s, python -X importtime)")
         for module, seconds in top_imports(run_once(command, importtime=True).stderr, args.top):

@@ -129,7 +129,8 @@ def test_preprocessed_pixels_equal_the_torch_transform(exported):
             np.testing.assert_allclose(got, theirs(photo).numpy(), rtol=0, atol=1e-6)
     _, report = exported
     lite = lite_captioner(report.folder)
-    np.testing.assert_array_equal(lite.preprocess(photos[0]), onnx_captioner(report.folder).preprocess(photos[0]).numpy())
+    torch_driven = onnx_captioner(report.folder)
+    np.testing.assert_array_equal(lite.preprocess(photos[0]), torch_driven.preprocess(photos[0]).numpy())
 
 
 def _decoder(vocab_size: int, attend: str) -> AttentionDecoder:

@@ -74,7 +74,8 @@ def test_every_shipped_config_loads_from_the_wheel(installed):
     assert out.returncode == 0, out.stderr
     folder, *names, attend = out.stdout.split()
     assert Path(folder).is_relative_to(installed)
-    assert names == ["coco", "flickr8k", "flickr8k-800", "flickr8k-800-scst", "flickr8k-scst", "shapes"] and attend == "after"
+    assert names == ["coco", "flickr8k", "flickr8k-800", "flickr8k-800-scst", "flickr8k-scst", "shapes"]
+    assert attend == "after"
 
 
 def test_the_page_ships_in_the_wheel(installed):

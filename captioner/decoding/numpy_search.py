@@ -53,7 +53,8 @@ def length_penalty(length: int, exponent: float) -> float:
 
 
 def _hypothesis(tokens: list[int], logprob: float, alphas: np.ndarray, finished: bool, exponent: float) -> Hypothesis:
-    return Hypothesis(tokens, logprob, logprob / length_penalty(len(tokens) + int(finished), exponent), alphas, finished)
+    score = logprob / length_penalty(len(tokens) + int(finished), exponent)
+    return Hypothesis(tokens, logprob, score, alphas, finished)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -192,7 +193,8 @@ def _finalize(finals: list[list[Hypothesis]], beams: _Beams, K: int, scores: np.
                                                 True, exponent))
 
 
-def _results(finals: list[list[Hypothesis]], beams: _Beams, K: int, n_best: int, exponent: float) -> list[list[Hypothesis]]:
+def _results(finals: list[list[Hypothesis]], beams: _Beams, K: int, n_best: int,
+             exponent: float) -> list[list[Hypothesis]]:
     """Each image's finished hypotheses by score (the first found on ties), or its best live beams."""
     t, L = beams.words.shape[1], beams.history.shape[-1]
     words, history = beams.words.reshape(-1, K, t), beams.history.reshape(-1, K, t, L)  # per image
