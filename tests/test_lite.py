@@ -16,6 +16,7 @@ from captioner.config import DecodeConfig, DecoderConfig
 from captioner.data.vocab import build_vocabulary
 from captioner.decoding import numpy_search
 from captioner.decoding.search import beam_search, block_repeated_ngrams
+from captioner.decoding.text import TextError
 from captioner.deploy import FormatError
 from captioner.model.decoder import AttentionDecoder
 from captioner.model.encoder import eval_transform
@@ -241,11 +242,31 @@ def test_a_damaged_export_is_one_line(exported, tmp_path):
     assert error.startswith(f"captioner: error: {damaged / 'step.onnx'}: not a usable ONNX graph")
 
 
-def test_teacher_forcing_and_unknown_settings_are_refused_in_one_line(exported):
+def test_a_given_text_is_forced_as_the_torch_driven_runtime_forces_it(each_exported, tmp_path):
+    _, report = each_exported
+    images, text = _images(4), "a red circle to the left of a blue square"
+    want = onnx_captioner(report.folder).caption(images, batch_size=3, text=text, length_penalty=0.5)
+    got = lite_captioner(report.folder).caption(images, batch_size=3, text=text, length_penalty=0.5)
+    assert len({c.logprob for c in want}) == 4  # each image scores the words its own way
+    for g, w in zip(got, want):
+        _assert_same(g, w)
+        assert g.alternatives == [] and g.word_logprobs == pytest.approx(w.word_logprobs, abs=1e-5)
+    image = tmp_path / "photo.png"
+    images[0].save(image)
+    out = _cli("caption", str(image), "--runtime", "onnx", "--checkpoint", str(report.folder), "--text", text,
+               "--json")
+    assert out.returncode == 0, out.stderr
+    assert _heavy_imported(out) == []
+    assert json.loads(out.stdout)["word_logprobs"] == pytest.approx(got[0].word_logprobs, abs=1e-5)
+
+
+def test_bad_texts_and_settings_are_refused_as_the_captioner_refuses_them(exported):
     _, report = exported
     lite = lite_captioner(report.folder)
-    with pytest.raises(Exception, match="torch-driven ONNX runtime"):
-        lite.caption(_images(1), text="a red circle")
+    with pytest.raises(TextError, match=r"^text: 'zebra' not in the model's vocabulary"):
+        lite.caption(_images(1), text="a red zebra")
+    with pytest.raises(ValueError, match="a caption given as text has none"):
+        lite.caption(_images(1), text="a red circle", alternatives=1)
     with pytest.raises(TypeError, match="unknown decode setting"):
         lite.caption(_images(1), beam=3)
     with pytest.raises(ValueError, match="alternatives 3"):

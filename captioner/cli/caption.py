@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise CaptionerError(problems[0] if len(problems) == 1 else f"{' '.join(args.images)}: no image files found")
     captioner = load_captioner(args)
     if args.text is not None:
-        from captioner.decoding.forced import text_ids
+        from captioner.decoding.text import text_ids
 
         text_ids(args.text, captioner.vocab)  # an unknown word: one line now, before any image is read
         settings["text"] = args.text

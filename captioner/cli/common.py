@@ -103,7 +103,8 @@ def use_bundled_model(args: argparse.Namespace) -> None:
 def load_captioner(args: argparse.Namespace, teacher_forcing: bool = False) -> Any:
     """The Captioner the command's --checkpoint (or the bundled model), --device and --runtime ask for.
     ONNX runs on ONNX Runtime and numpy alone (`deploy.lite`: no torch imported), unless the command
-    scores given words (`teacher_forcing`, or --text): that drives the graphs from torch (`deploy.runtime`)."""
+    needs the torch decoder interface (`teacher_forcing`: evaluate's reference captions), which drives
+    the graphs from torch (`deploy.runtime`)."""
     if args.checkpoint is None:
         use_bundled_model(args)
     if getattr(args, "runtime", "torch") == "onnx":
@@ -111,7 +112,7 @@ def load_captioner(args: argparse.Namespace, teacher_forcing: bool = False) -> A
             raise CaptionerError("--runtime onnx takes one model (an ensemble runs with --runtime torch)")
         if args.device not in ("auto", "cpu"):
             raise CaptionerError(f"--runtime onnx runs on the CPU, not --device {args.device}")
-        if teacher_forcing or getattr(args, "text", None) is not None:
+        if teacher_forcing:
             from captioner.deploy.runtime import onnx_captioner
 
             return onnx_captioner(args.checkpoint[0])

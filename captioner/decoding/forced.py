@@ -17,14 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from captioner.data.vocab import SPECIALS, Vocabulary, tokenize
+from captioner.data.vocab import Vocabulary
 from captioner.decoding.search import Hypothesis, length_penalty
-from captioner.errors import CaptionerError
+from captioner.decoding.text import TextError, text_ids  # noqa: F401 (re-exported: text_ids reads the text to force)
 from captioner.model.decoder import AttentionDecoder
-
-
-class TextError(CaptionerError):
-    """A caption to force that the model cannot read: no words, or words outside its vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -75,22 +71,6 @@ def teacher_force(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, l
     logprobs_ = torch.where(live, torch.stack(logprobs, 1), 0.0)  # (B, T + 1)
     alphas_ = torch.where(live[..., None], torch.stack(alphas, 1), 0.0)  # (B, T + 1, L)
     return Forced(logprobs_, alphas_, lengths)
-
-
-def text_ids(text: str, vocab: Vocabulary) -> list[int]:
-    """The word ids of `text`, tokenised as training captions are (`tokenize`), without <start>/<end>.
-
-    Raises TextError when no word is left, or naming every word the vocabulary lacks: such a word is
-    never read as <unk>, whose map would say nothing about the word asked for.
-    """
-    words = tokenize(text)
-    if not words:
-        raise TextError(f"text {text.strip()[:60]!r}: no words to caption with")
-    unknown = list(dict.fromkeys(w for w in words if w not in vocab or w in SPECIALS))  # in order, once each
-    if unknown:
-        raise TextError(f"text: {', '.join(repr(w) for w in unknown)} not in the model's vocabulary "
-                        f"({len(vocab) - len(SPECIALS):,} words)")
-    return [vocab.id(w) for w in words]
 
 
 def force_text(decoder: AttentionDecoder, features: Tensor, ids: Sequence[int], vocab: Vocabulary,

@@ -37,7 +37,8 @@ class Hypothesis:
 
     tokens: word ids, without <start>/<end>; logprob: their summed log-probability (and <end>'s when
     finished); score: logprob / length_penalty(len(tokens) + finished); alphas: (len(tokens), L)
-    float32; finished: False when cut at max_length.
+    float32; finished: False when cut at max_length; word_logprobs: each word's log-probability, for
+    a caption given as text (`force_text`).
     """
 
     tokens: list[int]
@@ -45,6 +46,7 @@ class Hypothesis:
     score: float
     alphas: np.ndarray
     finished: bool
+    word_logprobs: list[float] | None = None
 
 
 def length_penalty(length: int, exponent: float) -> float:
@@ -220,3 +222,21 @@ def decode_n_best(step: Step, features: np.ndarray, keys: np.ndarray, initial: n
     return beam_search(step, features, keys, initial, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id,
                        banned, length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
                        n_best=n_best, no_end_after=function_ids)
+
+
+def force_text(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, ids: Sequence[int],
+               vocab: Vocabulary, exponent: float) -> list[Hypothesis]:
+    """The words `ids` (`decoding.text.text_ids`) forced on each of B images, as `forced.force_text`:
+    B finished hypotheses, logprob the words' and <end>'s, score length-penalised as the search's,
+    alphas (T, L) the maps the words were predicted with, word_logprobs (T,)."""
+    B, T = len(features), len(ids)
+    tokens = [vocab.start_id, *ids, vocab.end_id]  # (T + 2,)
+    state, logprobs, alphas = initial, [], []
+    for t in range(T + 1):
+        logits, alpha, state = step(np.full(B, tokens[t], dtype=np.int64), state, features, keys)  # (B, V), (B, L)
+        logprobs.append(log_softmax(logits)[:, tokens[t + 1]])  # (B,)
+        alphas.append(alpha)
+    by_image = np.stack(logprobs, axis=1).tolist()  # (B, T + 1)
+    maps = np.stack(alphas, axis=1)  # (B, T + 1, L)
+    return [Hypothesis(list(ids), sum(lp), sum(lp) / length_penalty(T + 1, exponent), maps[b, :T], True, lp[:T])
+            for b, lp in enumerate(by_image)]

@@ -5,11 +5,12 @@
 
 `lite_captioner` is what `captioner caption` runs for an export folder (`--runtime onnx`, or the
 model bundled with the package): a cold process captions a photo in well under the time torch takes
-to import. It answers the part of the `Captioner` API that the CLI, the evaluation and the server use
-(`caption`, `caption_files`, `preprocess`, `caption_pixels`, `decode_config`, `decode`, `vocab`,
-`grid`, `meta`, `model.encoder`), and its Captions equal those of `deploy.runtime.onnx_captioner` (the
-torch beam search over the same graphs): the same pixels (`deploy.graphs.Preprocess`), the same
-search (`decoding.numpy_search`). Teacher-forced captions (`text=`) need `onnx_captioner`.
+to import. It answers the part of the `Captioner` API that `caption`, `visualize` and the server use
+(`caption`, `caption_files`, `preprocess`, `caption_pixels`, each with `text=`; `decode_config`,
+`decode`, `vocab`, `grid`, `meta`, `model.encoder`), and its Captions equal those of
+`deploy.runtime.onnx_captioner` (the torch beam search and teacher forcing over the same graphs): the
+same pixels (`deploy.graphs.Preprocess`), the same search and forcing (`decoding.numpy_search`).
+`evaluate` keeps `onnx_captioner`: its grounding of the reference captions needs the torch decoder.
 
 Shapes: B images, L = H'·W' regions, T words.
 """
@@ -31,13 +32,14 @@ from captioner.config.parse import from_dict
 from captioner.data.images import ImageError, full_size, load_image, prepare_image
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.caption import Caption
-from captioner.decoding.numpy_search import Hypothesis, decode_n_best
+from captioner.decoding.numpy_search import Hypothesis, decode_n_best, force_text
+from captioner.decoding.text import text_ids
 from captioner.deploy import FormatError, require_onnx
 from captioner.deploy.folder import cpu_threads, exported, read_manifest
 from captioner.deploy.graphs import LiteModel, load_graphs
-from captioner.errors import CaptionerError
 
 ImageInput = Image.Image | str | Path
+_Settings = tuple[DecodeConfig, list[int] | None]  # a call's decode settings, the word ids of its text (or None)
 
 
 class _Loaded(NamedTuple):
@@ -104,20 +106,21 @@ class LiteCaptioner:
             raise TypeError(f"unknown decode setting(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
         return dataclasses.replace(self.decode, **overrides)
 
-    def _settings(self, alternatives: int, text: str | None, overrides: dict[str, Any]) -> DecodeConfig:
-        if text is not None:
-            raise CaptionerError("a caption given as text is scored by the torch-driven ONNX runtime "
-                                 "(captioner.deploy.runtime.onnx_captioner), not this one")
+    def _settings(self, alternatives: int, text: str | None,
+                  overrides: dict[str, Any]) -> tuple[DecodeConfig, list[int] | None]:
+        """The call's decode settings and the word ids of its `text`, checked before any image is read."""
         cfg = self.decode_config(**overrides)
-        if not 0 <= alternatives < cfg.beam_size:
-            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})")
-        return cfg
+        if not 0 <= alternatives < (cfg.beam_size if text is None else 1):
+            raise ValueError(f"alternatives {alternatives}: expected 0 to beam size - 1 ({cfg.beam_size - 1})"
+                             if text is None else "alternatives: a caption given as text has none")
+        return cfg, None if text is None else text_ids(text, self.vocab)
 
     def caption(self, images: Sequence[ImageInput], batch_size: int = 32, alternatives: int = 0,
                 text: str | None = None, **decode_overrides: Any) -> list[Caption]:
-        """Caption PIL images or image files, `batch_size` at a time, as `Captioner.caption`: one
-        Caption per image, in order; ImageError (one line, names the file) for an unreadable one."""
-        cfg = self._settings(alternatives, text, decode_overrides)
+        """Caption PIL images or image files, `batch_size` at a time, as `Captioner.caption` (`text`:
+        these words forced on every image, with their `word_logprobs`): one Caption per image, in
+        order; ImageError (one line, names the file) for an unreadable one."""
+        settings = self._settings(alternatives, text, decode_overrides)
         out: list[Caption] = []
         batch: list[_Loaded] = []
         for _, loaded in read_ahead(self._read, images, 2 * batch_size):
@@ -125,27 +128,27 @@ class LiteCaptioner:
                 raise loaded
             batch.append(loaded)
             if len(batch) == batch_size:
-                out += self._caption_loaded(batch, cfg, alternatives)
+                out += self._caption_loaded(batch, settings, alternatives)
                 batch = []
-        return out + self._caption_loaded(batch, cfg, alternatives)
+        return out + self._caption_loaded(batch, settings, alternatives)
 
     def caption_files(self, paths: Iterable[str | Path], batch_size: int = 32, text: str | None = None,
                       **decode_overrides: Any) -> Iterator[tuple[str, Caption | ImageError]]:
         """(path, Caption) or (path, ImageError) per file, lazily and in order, as `Captioner.caption_files`."""
-        cfg = self._settings(0, text, decode_overrides)
+        settings = self._settings(0, text, decode_overrides)
         files: list[tuple[str, _Loaded | ImageError]] = []
         loaded = 0
         for path, result in read_ahead(self._read, (str(p) for p in paths), 2 * batch_size):
             files.append((path, result))
             loaded += not isinstance(result, ImageError)
             if loaded == batch_size:
-                yield from self._flush(files, cfg)
+                yield from self._flush(files, settings)
                 files, loaded = [], 0
-        yield from self._flush(files, cfg)
+        yield from self._flush(files, settings)
 
     def _flush(self, files: list[tuple[str, _Loaded | ImageError]],
-               cfg: DecodeConfig) -> Iterator[tuple[str, Caption | ImageError]]:
-        captions = iter(self._caption_loaded([r for _, r in files if not isinstance(r, ImageError)], cfg, 0))
+               settings: _Settings) -> Iterator[tuple[str, Caption | ImageError]]:
+        captions = iter(self._caption_loaded([r for _, r in files if not isinstance(r, ImageError)], settings, 0))
         for path, result in files:
             yield path, (result if isinstance(result, ImageError) else next(captions))
 
@@ -166,25 +169,29 @@ class LiteCaptioner:
                        paths: Sequence[str | None] | None = None, alternatives: int = 0, text: str | None = None,
                        **decode_overrides: Any) -> list[Caption]:
         """Caption images already preprocessed (`preprocess`), as one batch; `image_sizes` (w, h) of
-        the originals and `paths` (default None) go into the Captions."""
-        cfg = self._settings(alternatives, text, decode_overrides)
+        the originals and `paths` (default None) go into the Captions; `text` as in `caption`."""
+        settings = self._settings(alternatives, text, decode_overrides)
         if not len(pixels):
             return []
         grid = self.model.encoder.infer(np.stack([np.asarray(p, dtype=np.float32) for p in pixels]))  # (B, L, D)
-        return self._caption_grid(grid, image_sizes, paths or [None] * len(pixels), cfg, alternatives)
+        return self._caption_grid(grid, image_sizes, paths or [None] * len(pixels), settings, alternatives)
 
-    def _caption_loaded(self, items: list[_Loaded], cfg: DecodeConfig, alternatives: int) -> list[Caption]:
+    def _caption_loaded(self, items: list[_Loaded], settings: _Settings, alternatives: int) -> list[Caption]:
         if not items:
             return []
         grid = self.model.encoder.infer(np.stack([x.pixels for x in items]))  # (B, L, D_enc)
-        return self._caption_grid(grid, [x.size for x in items], [x.path for x in items], cfg, alternatives)
+        return self._caption_grid(grid, [x.size for x in items], [x.path for x in items], settings, alternatives)
 
     def _caption_grid(self, grid: np.ndarray, image_sizes: Sequence[tuple[int, int]], paths: Sequence[str | None],
-                      cfg: DecodeConfig, alternatives: int) -> list[Caption]:
-        """The search over (B, L, D_enc) grids, as Captions."""
-        decoder = self.model.decoder
+                      settings: _Settings, alternatives: int) -> list[Caption]:
+        """The search over (B, L, D_enc) grids, or the given words forced on each, as Captions."""
+        (cfg, ids), decoder = settings, self.model.decoder
         features, keys, initial = decoder.memory(grid)
-        ranked = decode_n_best(decoder.step, features, keys, initial, cfg, self.vocab, alternatives + 1)
+        if ids is None:
+            ranked = decode_n_best(decoder.step, features, keys, initial, cfg, self.vocab, alternatives + 1)
+        else:
+            forced = force_text(decoder.step, features, keys, initial, ids, self.vocab, cfg.length_penalty)
+            ranked = [[h] for h in forced]
         captions = []
         for hyps, size, path in zip(ranked, image_sizes, paths):
             best, *others = (self._to_caption(h, size, path) for h in hyps)
@@ -196,7 +203,8 @@ class LiteCaptioner:
         attention = hyp.alphas.reshape(len(words), *self.grid)  # (T, H', W')
         attention = attention / attention.sum(axis=(1, 2), keepdims=True).clip(min=1e-12)
         return Caption(" ".join(words), words, hyp.score, hyp.logprob, attention.astype(np.float32),
-                       (int(image_size[0]), int(image_size[1])), path, hyp.finished, self.model.encoder.cells)
+                       (int(image_size[0]), int(image_size[1])), path, hyp.finished, self.model.encoder.cells,
+                       word_logprobs=hyp.word_logprobs)
 
 
 def lite_captioner(source: str | Path, decode: DecodeConfig | None = None, threads: int | None = None) -> LiteCaptioner:
