@@ -69,7 +69,7 @@ def run_measured(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     """(seconds, peak RSS in MB) of a `captioner` command in a fresh process; the seconds are the
     command's own, after the imports every run pays once."""
     code = ("import resource, sys, time\n"
-            "import captioner.training.loop, captioner.training.prepare, pycocotools.coco\n"
+            "import captioner.recipes.train, captioner.recipes.prepare, pycocotools.coco\n"
             "from captioner.cli import main\n"
             "tick = time.perf_counter()\ncode = main(sys.argv[1:])\n"
             "print('SECONDS', time.perf_counter() - tick, file=sys.stderr)\n"
@@ -106,9 +106,10 @@ def coco_rates(threads: int) -> dict[str, float]:
     from captioner.config import load_config
     from captioner.data.datasets import CaptionItem, collate
     from captioner.model import build_model
-    from captioner.training.loop import train_step
+    from captioner.training.loop import optimize
     from captioner.training.loss import build_criterion
-    from captioner.training.setup import build_optimizer
+    from captioner.training.objective import CrossEntropy
+    from captioner.training.optim import build_optimizer
 
     torch.set_num_threads(threads)
     cfg = load_config("coco")
@@ -122,11 +123,12 @@ def coco_rates(threads: int) -> dict[str, float]:
     bs = cfg.train.batch_size
     items = [CaptionItem(torch.randn(H * W, D), torch.randint(4, 10_000, (13,)), i // 5) for i in range(bs)]
     batch = collate(items)
-    optimizer, criterion = build_optimizer(model, cfg.train), build_criterion(cfg.train)
+    optimizer = build_optimizer(model, cfg.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
+    objective = CrossEntropy(model.decoder, cfg.train, build_criterion(cfg.train), torch.device("cpu"))
     model.decoder.train()
-    step = lambda: train_step(model.decoder, criterion, optimizer, scheduler, scaler, batch, torch.device("cpu"))
+    step = lambda: optimize(objective.loss(batch).loss.total, optimizer, scheduler, scaler)
     step()
     tick = time.perf_counter()
     for _ in range(3):

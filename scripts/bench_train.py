@@ -40,9 +40,10 @@ from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.model import build_model
 from captioner.runtime import autocast_dtype
-from captioner.training.loop import train_one_epoch, train_step
+from captioner.training.loop import optimize, train_one_epoch
 from captioner.training.loss import Criterion, build_criterion
-from captioner.training.setup import build_optimizer
+from captioner.training.objective import CrossEntropy
+from captioner.training.optim import build_optimizer
 from captioner.training.state import Meter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,12 +69,11 @@ def one_epoch(model, loader, tc: TrainConfig, cached: bool, amp_dtype: torch.dty
     optimizer = build_optimizer(model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    criterion = build_criterion(tc)
+    objective = CrossEntropy(net, tc, build_criterion(tc), torch.device("cpu"), amp_dtype)
     meter = Meter()
     torch.manual_seed(0)
-    train_one_epoch(net, criterion, optimizer, scheduler, scaler, loader, torch.device("cpu"), meter,
-                    amp_dtype=amp_dtype, grad_clip=tc.grad_clip, progress=sys.stderr.isatty(),
-                    desc="cached" if cached else "encoder")
+    train_one_epoch(objective, loader, optimizer, scheduler, scaler, meter, grad_clip=tc.grad_clip,
+                    progress=sys.stderr.isatty(), desc="cached" if cached else "encoder")
     return meter
 
 
@@ -99,11 +99,11 @@ def amp_compare(model, batches: list, tc: TrainConfig, repeats: int = 3) -> dict
             optimizer = torch.optim.AdamW(decoder.parameters(), lr=tc.lr, fused=True)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             scaler = torch.amp.GradScaler("cpu", enabled=False)
-            criterion = build_criterion(tc)
-            train_step(decoder, criterion, optimizer, scheduler, scaler, batches[0], torch.device("cpu"), dtype)
+            objective = CrossEntropy(decoder, tc, build_criterion(tc), torch.device("cpu"), dtype)
+            optimize(objective.loss(batches[0]).loss.total, optimizer, scheduler, scaler)
             tick = time.perf_counter()
             for b in batches:
-                train_step(decoder, criterion, optimizer, scheduler, scaler, b, torch.device("cpu"), dtype)
+                optimize(objective.loss(b).loss.total, optimizer, scheduler, scaler)
             captions = sum(len(b.lengths) for b in batches)
             best[name] = max(best[name], captions / (time.perf_counter() - tick))
     return best

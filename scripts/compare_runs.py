@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from captioner.decoding.evaluation import evaluate_checkpoint
 from captioner.decoding.metrics import cider_per_image
+from captioner.recipes.evaluate import evaluate_checkpoint
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
 from captioner.model import build_model
 from captioner.model.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
-from captioner.training import run_config, train
+from captioner.recipes.train import run_config, train
 
 V1 = Path(__file__).parent / "fixtures" / "v1"  # a last.pt written by captioner 0.1 (checkpoint version 1)
 CFG = ModelConfig(

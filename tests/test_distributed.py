@@ -33,12 +33,13 @@ def _worker(rank: int, tmp: str, port: int, cache: str, overrides: list[str]) ->
                       LOCAL_RANK=str(rank), CAPTIONER_CACHE=cache)
     torch.set_num_threads(1)
     from captioner.data import order
-    from captioner.training import loop, run_config
+    from captioner.recipes import train as recipe
+    from captioner.training import loop
 
     seen: list[tuple[int, list[int]]] = []
     validations: list[tuple[dict, dict]] = []
     sampler_iter = order.EpochBatchSampler.__iter__
-    decode_and_score, fit = loop.decode_and_score, loop.fit
+    validation_scores, fit = loop.validation_scores, recipe.fit
 
     def recording_iter(self):
         for batch in sampler_iter(self):
@@ -46,7 +47,7 @@ def _worker(rank: int, tmp: str, port: int, cache: str, overrides: list[str]) ->
             yield batch
 
     def recording_evaluate(*args, **kwargs):
-        metrics, captions = decode_and_score(*args, **kwargs)
+        metrics, captions = validation_scores(*args, **kwargs)
         validations.append((metrics, captions))
         return metrics, captions
 
@@ -57,9 +58,9 @@ def _worker(rank: int, tmp: str, port: int, cache: str, overrides: list[str]) ->
         return result
 
     order.EpochBatchSampler.__iter__ = recording_iter
-    loop.decode_and_score, loop.fit = recording_evaluate, saving_fit
-    cfg = run_config(Path(tmp) / "ddp.yaml", overrides)
-    loop.train(cfg, Path(tmp) / "run", "cpu")
+    loop.validation_scores, recipe.fit = recording_evaluate, saving_fit
+    cfg = recipe.run_config(Path(tmp) / "ddp.yaml", overrides)
+    recipe.train(cfg, Path(tmp) / "run", "cpu")
 
 
 # Every value of every decoder option that changes which parameters exist: a parameter DDP never sees

@@ -85,8 +85,8 @@ def test_a_bad_value_fails_at_once_naming_the_key_with_no_data_read(key, value, 
     def no_data(*args, **kwargs):
         raise AssertionError("data was read")
 
-    monkeypatch.setattr("captioner.training.setup.load_records", no_data)
-    monkeypatch.setattr("captioner.training.setup.build_encoder", no_data)
+    monkeypatch.setattr("captioner.recipes.build.load_records", no_data)
+    monkeypatch.setattr("captioner.recipes.train.build_encoder", no_data)
     tick = time.perf_counter()
     assert main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), f"{key}={value}"]) == 2
     assert time.perf_counter() - tick < 1.0
@@ -102,8 +102,8 @@ def test_a_bad_value_fails_at_once_naming_the_key_with_no_data_read(key, value, 
 ])
 def test_combinations_and_the_machine_are_checked_before_any_data(overrides, words, tiny, tmp_path, capsys,
                                                                   monkeypatch):
-    monkeypatch.setattr("captioner.training.setup.java_available", lambda: False)
-    monkeypatch.setattr("captioner.training.setup.load_records", lambda *a, **k: pytest.fail("data was read"))
+    monkeypatch.setattr("captioner.recipes.build.java_available", lambda: False)
+    monkeypatch.setattr("captioner.recipes.build.load_records", lambda *a, **k: pytest.fail("data was read"))
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), *overrides, "--device", "cpu"]) == 2
     _one_line_error(capsys, *words)
@@ -124,7 +124,7 @@ def test_config_files_that_cannot_be_read_name_the_file_and_line(tmp_path, capsy
 def test_output_paths_are_checked_before_the_work(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    monkeypatch.setattr("captioner.decoding.evaluation.evaluate_checkpoint", lambda *a, **k: pytest.fail("worked"))
+    monkeypatch.setattr("captioner.recipes.evaluate.evaluate_checkpoint", lambda *a, **k: pytest.fail("worked"))
     monkeypatch.setattr("captioner.decoding.captioner.Captioner.from_checkpoint", lambda *a, **k: pytest.fail("worked"))
     image = tmp_path / "x.png"
     Image.new("RGB", (8, 8)).save(image)
@@ -152,9 +152,9 @@ def test_a_second_run_into_the_same_folder_is_refused_and_a_failed_one_loses_not
     assert main(["train", "--config", str(tiny), "--out", str(run), "--device", "cpu"]) == 2
     _one_line_error(capsys, str(run), "--resume", "last.pt", "--overwrite")
     # replacing it, but the new run fails at its 5th step, before its first checkpoint: the old run stays whole
-    from captioner.training import loop
+    from captioner.training.objective import CrossEntropy
 
-    step, steps = loop.train_step, []
+    step, steps = CrossEntropy.loss, []
 
     def failing_step(*args, **kwargs):
         steps.append(1)
@@ -162,7 +162,7 @@ def test_a_second_run_into_the_same_folder_is_refused_and_a_failed_one_loses_not
             raise OSError(28, "No space left on device", str(run / "scratch"))
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "train_step", failing_step)
+    monkeypatch.setattr(CrossEntropy, "loss", failing_step)
     assert main(["train", "--config", str(tiny), "--out", str(run), "--overwrite", "--device", "cpu"]) == 2
     _one_line_error(capsys, "No space left on device")
     assert {name: (run / name).read_bytes() for name in before} == before

@@ -13,7 +13,7 @@ from captioner.data.vocab import tokenize
 from captioner.decoding.cider import CiderD
 from captioner.decoding.sampling import sample
 from captioner.model.checkpoint import load_checkpoint, load_model
-from captioner.training import run_config, train
+from captioner.recipes.train import run_config, train
 
 TINY = """\
 data: {path: shapes, shapes_images: 100}
@@ -77,7 +77,9 @@ def test_the_sampled_log_probs_get_a_gradient_and_the_baseline_none(start):
     batch = ImageBatch(torch.rand(2, 3, 64, 64), torch.tensor([0, 1]))
     model.decoder.train()
     torch.manual_seed(1)
-    loss = scst.loss(batch, torch.device("cpu"))
+    cost = scst.loss(batch)
+    loss = cost.loss
+    assert (cost.captions, cost.tokens) == (10, 10)  # 2 images, 5 samples each
     assert loss.total.requires_grad and not loss.reward.requires_grad
     loss.total.backward()
     grads = [p.grad for p in model.decoder.parameters()]
@@ -99,6 +101,90 @@ def test_the_sampled_log_probs_get_a_gradient_and_the_baseline_none(start):
     logp = scst._token_log_probs(out.logits, seqs[out.caption, out.step + 1], out.step)
     expected = -(advantage[out.caption] * logp).mean()
     assert loss.total.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def _policy_loss(scst, model, features, advantage_of, seed):
+    """-(advantage * log p) over the sampled words, written out: the samples drawn as the loss draws
+    them (seed, eval mode), `advantage_of(reward (N·K,), words)` the advantage of each sample."""
+    v, K = scst.vocab, scst.cfg.scst_samples
+    torch.manual_seed(seed)
+    model.decoder.eval()
+    tokens, lengths = sample(model.decoder, features, K, scst.max_length, v.start_id, v.end_id, v.pad_id,
+                             (v.pad_id, v.start_id, v.unk_id))
+    words = scst.words(tokens)
+    reward = scst.rewards(words, [i for i in range(len(features)) for _ in range(K)])
+    seqs = torch.cat([torch.full((len(tokens), 1), v.start_id), tokens], 1)
+    out = model.decoder(features, seqs, lengths, torch.arange(len(features)).repeat_interleave(K))
+    logp = scst._token_log_probs(out.logits, seqs[out.caption, out.step + 1], out.step)
+    return -(advantage_of(reward, words)[out.caption] * logp).mean()
+
+
+def test_the_greedy_baseline_is_the_reward_of_the_images_greedy_caption(start):
+    """`scst_baseline: greedy`: each sample is judged against the CIDEr-D of its image's greedy
+    (beam 1) caption, the same for all K samples of an image."""
+    config, ce = start
+    from captioner.config import DecodeConfig
+    from captioner.data.datasets import ImageBatch
+    from captioner.decoding.search import decode
+    from captioner.training.scst import SelfCritical
+
+    model, ckpt = load_model(ce)
+    cfg = run_config(config, [*SCST, f"train.init={ce}", "train.scst_baseline=greedy", "train.scst_samples=3"])
+    refs = [("a red circle", "there is a red circle"), ("a blue square and a green triangle",)]
+    scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
+    images = torch.rand(2, 3, 64, 64)
+    torch.manual_seed(3)
+    cost = scst.loss(ImageBatch(images, torch.tensor([0, 1])))
+
+    features = model.encoder.infer(images).clone()
+    model.decoder.eval()
+    greedy = [ckpt.vocab.decode(h.tokens) for h in
+              decode(model.decoder, features, DecodeConfig(beam_size=1, max_length=cfg.decode.max_length), ckpt.vocab)]
+    cider = CiderD([[tokenize(c) for c in caps] for caps in refs])
+    baseline = torch.as_tensor(cider.scores(greedy, [[tokenize(c) for c in caps] for caps in refs]),
+                               dtype=torch.float32)  # (2,) one per image
+    assert torch.equal(scst._baseline(torch.zeros(6), features, [0, 1]), baseline.repeat_interleave(3))
+
+    expected = _policy_loss(scst, model, features, lambda reward, _: reward - baseline.repeat_interleave(3), seed=3)
+    assert cost.loss.total.item() == pytest.approx(expected.item(), rel=1e-5)
+    # a sample that is the greedy caption itself gets no push either way
+    assert scst.rewards([greedy[0]], [0]).item() == pytest.approx(baseline[0].item())
+
+
+def test_the_cross_entropy_mix_adds_the_references_teacher_forced_cross_entropy(start):
+    """`scst_xent_weight: w`: loss = policy + w * the cross-entropy of the batch images' reference
+    captions, the same number the cross-entropy objective's criterion gives them."""
+    config, ce = start
+    from captioner.data.datasets import CaptionItem, ImageBatch, collate
+    from captioner.training.loss import caption_loss
+    from captioner.training.scst import SelfCritical
+
+    model, ckpt = load_model(ce)
+    v = ckpt.vocab
+    refs = [("a red circle", "there is a red circle"), ("a blue square and a green triangle",)]
+    images = torch.rand(2, 3, 64, 64)
+    features = model.encoder.infer(images).clone()
+    losses = {}
+    for w in (0.0, 0.7):
+        cfg = run_config(config, [*SCST, f"train.init={ce}", f"train.scst_xent_weight={w}"])
+        scst = SelfCritical(model, model.decoder, refs, v, cfg.train, cfg.decode, cached=False)
+        torch.manual_seed(5)
+        losses[w] = scst.loss(ImageBatch(images, torch.tensor([0, 1]))).loss
+
+    model.decoder.eval()  # the loss is computed in eval mode: no dropout
+    items = [CaptionItem(features[n], torch.tensor(v.encode(c, cfg.decode.max_length)), n)
+             for n, caps in enumerate(refs) for c in caps]
+    batch = collate(items)
+    out = model.decoder(batch.inputs, batch.tokens, batch.lengths, batch.rows)
+    reference_xent = caption_loss(out, batch.tokens).xent
+
+    assert losses[0.0].xent.item() == 0.0  # not computed without its weight
+    assert losses[0.7].xent.item() == pytest.approx(reference_xent.item(), rel=1e-5)
+    policy = _policy_loss(scst, model, features, lambda reward, _: reward - (reward.view(2, 5).sum(1, keepdim=True)
+                                                                            - reward.view(2, 5)).view(-1) / 4, seed=5)
+    assert losses[0.0].total.item() == pytest.approx(policy.item(), rel=1e-5)
+    assert losses[0.7].total.item() == pytest.approx(policy.item() + 0.7 * reference_xent.item(), rel=1e-5)
+    assert losses[0.7].xent.requires_grad  # it trains the decoder too
 
 
 @pytest.mark.parametrize("kl", [[], ["train.scst_kl_weight=0.5"]], ids=["plain", "kl"])
@@ -154,7 +240,7 @@ def test_the_kl_term_is_zero_at_the_start_and_pulls_back_towards_it(start):
     with pytest.raises(ValueError, match="initial decoder"):
         SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
     model.decoder.train()
-    assert scst.loss(ImageBatch(torch.rand(2, 3, 64, 64), torch.tensor([0, 1])), torch.device("cpu")).total.requires_grad
+    assert scst.loss(ImageBatch(torch.rand(2, 3, 64, 64), torch.tensor([0, 1]))).loss.total.requires_grad
 
 
 def test_scst_without_an_initial_checkpoint_is_refused(tmp_path):

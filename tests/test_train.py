@@ -18,10 +18,10 @@ from captioner.data.order import SeededItems, epoch_batches, steps_per_epoch
 from captioner.decoding.search import decode
 from captioner.model.checkpoint import load_checkpoint, load_model
 from captioner.model.encoder import build_encoder
-from captioner.training import run_config, train
+from captioner.recipes.train import run_config, train
 from captioner.training.distributed import capture_rng, restore_rng
-from captioner.training.loop import sampling_probability
-from captioner.training.setup import lr_factor
+from captioner.training.objective import sampling_probability
+from captioner.training.optim import lr_factor
 from captioner.training.state import Meter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +133,32 @@ def test_stop_mid_epoch_then_resume_matches_a_full_run_and_overrides_extend_it(t
 
     extended = train(run_config(None, ["train.epochs=4"], resume=last), tmp_path / "run", "cpu", resume=last)
     assert (extended.epochs, extended.steps) == (4, 40)
+
+
+def test_kept_validations_average_into_a_checkpoint_that_captions(tiny, tmp_path, capsys):
+    """`train.keep_validated`: the model of every validation stays as step-NNNNNNN.pt, best.pt is one
+    of them, and `captioner average` makes one checkpoint of their mean weights."""
+    result = train(run_config(tiny, ["train.epochs=2", "train.keep_validated=true"]), tmp_path / "run", "cpu")
+    kept = sorted((tmp_path / "run").glob("step-*.pt"))
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [p.name for p in kept] == [f"step-{s:07d}.pt" for s in steps] == ["step-0000010.pt", "step-0000020.pt"]
+    assert all(load_checkpoint(p).train_state is None for p in kept)
+    _assert_same_weights(_weights(result.best), _weights(kept[steps.index(result.best_step)]))
+
+    out = tmp_path / "averaged.pt"
+    assert main(["average", *map(str, kept), "-o", str(out)]) == 0
+    assert "averaged 2 checkpoints" in capsys.readouterr().out
+    first, second, averaged = _weights(kept[0]), _weights(kept[1]), _weights(out)
+    assert averaged.keys() == first.keys()
+    for k, v in averaged.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, (first[k] + second[k]) / 2)
+    assert not torch.equal(averaged["decoder.readout.bias"], first["decoder.readout.bias"])  # the runs' weights moved
+    model, ckpt = load_model(out)
+    assert ckpt.meta["averaged"] == [str(p) for p in kept] and ckpt.vocab == load_checkpoint(kept[0]).vocab
+    hyps = decode(model.decoder, model.encoder(torch.randn(2, 3, 64, 64)), DecodeConfig(beam_size=2, max_length=8),
+                  ckpt.vocab)
+    assert len(hyps) == 2 and all(h.tokens for h in hyps)
 
 
 def test_fine_tuned_encoder_trains_from_images(tiny, tmp_path):
@@ -250,17 +276,26 @@ def test_seeded_items_give_a_batch_the_same_augmentation_whenever_it_is_loaded()
     assert not torch.equal(items.__getitems__([0, 1, 5])[0], first[0])  # a new epoch, new crops
 
 
-def test_meter_round_trips_and_reads_totals_written_before_the_entropy_and_reward_terms():
+def test_meter_round_trips_and_reads_the_lists_older_checkpoints_hold():
     from captioner.training.loss import LossOutput
 
     meter = Meter()
     meter.add(LossOutput(*(torch.tensor(v) for v in (4.0, 3.0, 2.0, 1.0, 0.5))), captions=10, tokens=50, seconds=0.5)
     restored = Meter()
     restored.load(meter.totals())
-    assert restored.totals() == meter.totals() == [40.0, 30.0, 20.0, 10.0, 5.0, 10.0, 50.0, 1.0, 0.5]
+    expected = {"total": 40.0, "xent": 30.0, "coverage": 20.0, "entropy": 10.0, "reward": 5.0,
+                "captions": 10.0, "tokens": 50.0, "steps": 1.0, "seconds": 0.5}
+    assert restored.totals() == meter.totals() == expected
+    assert meter.means() == {"total": 4.0, "xent": 3.0, "coverage": 2.0, "entropy": 1.0, "reward": 0.5}
+    listed = Meter()
+    listed.load(list(expected.values()))  # a last.pt of 0.2: the same totals as a list
+    assert listed.totals() == expected
     older = Meter()
     older.load([40.0, 30.0, 20.0, 10.0, 10.0, 50.0, 1.0, 0.5])  # a last.pt of 0.1: no reward term
-    assert older.totals() == [40.0, 30.0, 20.0, 10.0, 0.0, 10.0, 50.0, 1.0, 0.5]
+    assert older.totals() == {**expected, "reward": 0.0}
     oldest = Meter()
     oldest.load([40.0, 30.0, 20.0, 10.0, 50.0, 1.0, 0.5])  # before the entropy term too
-    assert oldest.totals() == [40.0, 30.0, 20.0, 0.0, 0.0, 10.0, 50.0, 1.0, 0.5]
+    assert oldest.totals() == {**expected, "entropy": 0.0, "reward": 0.0}
+    empty = Meter()
+    empty.load(Meter().totals())
+    assert empty.sums is None and empty.totals() == Meter().totals()

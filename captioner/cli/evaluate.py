@@ -43,7 +43,8 @@ def _tqdm(items, total):
 
 def run(args: argparse.Namespace) -> int:
     from captioner.data.boxes import read_boxes
-    from captioner.decoding.evaluation import evaluate_checkpoint, evaluate_split
+    from captioner.decoding.evaluation import evaluate_split
+    from captioner.recipes.evaluate import evaluate_checkpoint
 
     settings = decode_overrides(args)
     if args.limit is not None and args.limit < 1:

@@ -35,7 +35,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from captioner.training import run_config, train
+    from captioner.recipes.train import run_config, train
 
     if args.resume and args.config:
         logging.getLogger(__name__).warning("--config %s ignored: a resumed run uses its checkpoint's config "

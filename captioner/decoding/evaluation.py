@@ -2,7 +2,7 @@
 ROUGE-L, CIDEr-D) and, where the data has object boxes, score the attention's grounding.
 
     evaluate_records(captioner, records)   -> Evaluation    (any records, e.g. the demo's test split)
-    evaluate_checkpoint(path, split, ...)  -> Evaluation    (what `captioner evaluate` runs)
+    evaluate_split(captioner, data, split) -> Evaluation    (`captioner.recipes.evaluate` loads a checkpoint for it)
 """
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from captioner.config import DataConfig, DecodeConfig
 from captioner.data.boxes import GroundObject, objects_of, read_boxes
 from captioner.data.images import ImageError
@@ -21,10 +19,10 @@ from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
-from captioner.decoding.metrics import attention_focus, caption_metrics, diversity
+from captioner.decoding.metrics import attention_focus
 from captioner.decoding.references import reference_samples
+from captioner.decoding.scoring import score_captions
 from captioner.errors import CaptionerError
-from captioner.model.checkpoint import load_checkpoint
 
 Progress = Callable[[Iterator, int], Iterator]  # (iterator, total) -> the same items, e.g. through a tqdm
 
@@ -97,14 +95,14 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
         else:
             captions.append(result)
     references = {c.path: list(by_path[c.path].captions) for c in captions}
-    metrics = caption_metrics(references, {c.path: c.text for c in captions}, meteor=meteor) if captions else {}
+    scores = score_captions(references, {c.path: c.text for c in captions}, meteor)
     objects = _objects(boxes)
     grounded = [GroundingSample(c.tokens, c.attention, c.image_size, objects(by_path[c.path]), c.cells)
                 for c in captions if objects(by_path[c.path])]
     grounding = grounding_score(grounded) if grounded else None
     cfg = captioner.decode_config(**decode_overrides)
     forced = list(reference_samples(captioner, records, objects, cfg.max_length)) if grounded else []
-    return Evaluation(metrics, grounding, captions, references, skipped, cfg, diversity([c.text for c in captions]),
+    return Evaluation(scores.metrics, grounding, captions, references, skipped, cfg, scores.diversity,
                       attention_focus([m for c in captions for m in c.attention]),
                       grounding_score(forced) if forced else None)
 
@@ -116,42 +114,12 @@ def _objects(boxes: Boxes | None):
     return lambda record: boxes.get(Path(record.image).name, [])
 
 
-def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: str = "test", data: str | None = None,
-                        image_root: str | Path | None = None, limit: int | None = None,
-                        device: str | torch.device = "auto", batch_size: int = 32, meteor: bool | None = None,
-                        progress: Progress | None = None, boxes: Boxes | None = None,
-                        **decode_overrides: Any) -> tuple[Evaluation, str]:
-    """Score a checkpoint on a split of its own data set (or of `data`, read with the checkpoint's
-    data settings). Returns the Evaluation and the data path used.
-
-    Args:
-        checkpoint: a checkpoint file, or several (an ensemble; data settings from the first).
-        split: "train", "val" or "test".
-        data: another data set (folder, caption file, or "shapes") instead of the checkpoint's.
-        image_root: where the images are, when not next to the caption file.
-        limit: score only the first `limit` images of the split.
-        device, batch_size, meteor, progress, boxes, decode_overrides: see `evaluate_records`.
-    Raises:
-        CaptionerError: a bad file, an empty split.
-    """
-    if split not in SPLITS:
-        raise CaptionerError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
-    paths = list(checkpoint) if isinstance(checkpoint, (list, tuple)) else [checkpoint]
-    ckpts = [load_checkpoint(p) for p in paths]
-    ckpt = ckpts[0]
-    data_cfg = ckpt.config.data
-    captioner = Captioner.from_checkpoint(ckpts if len(ckpts) > 1 else ckpt, device)
-    del ckpt, ckpts  # the optimiser state, if any, is not needed
-    return evaluate_split(captioner, data_cfg, split, data, image_root, limit, batch_size, meteor, progress, boxes,
-                          **decode_overrides)
-
-
 def evaluate_split(captioner: Captioner, data_cfg: DataConfig, split: str = "test", data: str | None = None,
                    image_root: str | Path | None = None, limit: int | None = None, batch_size: int = 32,
                    meteor: bool | None = None, progress: Progress | None = None, boxes: Boxes | None = None,
                    **decode_overrides: Any) -> tuple[Evaluation, str]:
     """Score `captioner` on `split` of the data set `data_cfg` describes (or of `data`, read with those
-    settings): what `evaluate_checkpoint` does once it has the model, for any runtime."""
+    settings), for any runtime: `captioner.recipes.evaluate.evaluate_checkpoint` runs it on a checkpoint."""
     if split not in SPLITS:
         raise CaptionerError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
     data_cfg = data_cfg if data is None else dataclasses.replace(data_cfg, path=str(data))

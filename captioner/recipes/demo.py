@@ -16,7 +16,7 @@ from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.evaluation import Evaluation, evaluate_records
 from captioner.pictures.figures import plot_attention
-from captioner.training.loop import TrainResult, train
+from captioner.recipes.train import TrainResult, train
 
 log = logging.getLogger(__name__)
 

@@ -20,20 +20,21 @@ Shapes: N images, K samples per image, R = N·K sampled captions, T words, P sco
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from captioner.config import DecodeConfig, TrainConfig
-from captioner.data.datasets import ImageBatch, pad_captions
+from captioner.data.datasets import ImageBatch, collate_images, pad_captions
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.decoding.cider import CiderD
 from captioner.decoding.sampling import sample
 from captioner.decoding.search import ban, decode
 from captioner.model.caption_model import CaptionModel
 from captioner.training.loss import LossOutput
+from captioner.training.objective import BatchLoss, logged_terms
 
 
 class SelfCritical:
@@ -47,20 +48,36 @@ class SelfCritical:
         vocab, train_cfg, decode_cfg: the run's.
         cached: the batches hold cached grids (else images for the frozen encoder).
         initial: the frozen initial decoder, for `scst_kl_weight` (None without it).
+        device, amp_dtype: where the steps run, and under which autocast dtype (None: float32).
     """
 
+    MIN_LENGTH = 1  # words before <end> may be drawn (as decoding has it)
+    collate = staticmethod(collate_images)  # batches of images
+
     def __init__(self, model: CaptionModel, net: nn.Module, references: Sequence[Sequence[str]], vocab: Vocabulary,
-                 train_cfg: TrainConfig, decode_cfg: DecodeConfig, cached: bool, initial: nn.Module | None = None) -> None:
+                 train_cfg: TrainConfig, decode_cfg: DecodeConfig, cached: bool, initial: nn.Module | None = None,
+                 device: torch.device | None = None, amp_dtype: torch.dtype | None = None) -> None:
         if train_cfg.scst_kl_weight and initial is None:
             raise ValueError("scst_kl_weight needs the initial decoder")
         self.model, self.net, self.vocab, self.cfg, self.cached = model, net, vocab, train_cfg, cached
+        self.device, self.amp_dtype = device or torch.device("cpu"), amp_dtype
         self.initial = None if initial is None else initial.eval().requires_grad_(False)
         self.max_length = decode_cfg.max_length
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
         self.ref_ids = [[vocab.encode(c, decode_cfg.max_length) for c in refs] for refs in self.refs]
         self.banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
-        self.reward_seconds = 0.0  # time spent computing rewards, for the step-time share
+        self.reward_seconds = 0.0  # time spent computing rewards since the last metrics line
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def log(self, means: Mapping[str, float], seconds: float) -> dict[str, float]:
+        """The cross-entropy terms' entries, the samples' mean reward and the share of the step time
+        spent computing rewards (then counted again from 0)."""
+        share = round(self.reward_seconds / max(seconds, 1e-9), 4)
+        self.reward_seconds = 0.0
+        return {**logged_terms(means, self.cfg), "reward": means["reward"], "reward_share": share}
 
     def rewards(self, words: list[list[str]], image_ids: list[int]) -> Tensor:
         """(R,) CIDEr-D of each caption (tokens) against its image's references."""
@@ -73,52 +90,55 @@ class SelfCritical:
         """(R, T) sampled ids -> words up to <end>."""
         return [self.vocab.decode(row) for row in tokens.tolist()]
 
-    def loss(self, batch: ImageBatch, device: torch.device, amp_dtype: torch.dtype | None = None) -> LossOutput:
+    def loss(self, batch: ImageBatch) -> BatchLoss:
         """The SCST loss of a batch (with gradients); `reward` is the samples' mean CIDEr-D."""
-        K, decoder = self.cfg.scst_samples, self.model.decoder
+        K, decoder, device = self.cfg.scst_samples, self.model.decoder, self.device
         inputs = batch.inputs.to(device, non_blocking=True)
         image_ids = batch.image_ids.tolist()
         was_training = decoder.training
         decoder.eval()  # the log-probabilities of exactly the distribution sampled from
         try:
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                features = inputs if self.cached else self.model.encoder.infer(inputs).clone()  # (N, L, D), autograd-usable
-                tokens, lengths = sample(decoder, features, K, self.max_length, self.vocab.start_id,
-                                         self.vocab.end_id, self.vocab.pad_id, self.banned)  # (R, T), (R,)
-                per_sample = [i for i in image_ids for _ in range(K)]
-                reward = self.rewards(self.words(tokens), per_sample).to(device)  # (R,)
-                if self.cfg.scst_baseline == "mean":  # the other samples of the same image
-                    by_image = reward.view(-1, K)  # (N, K)
-                    baseline = ((by_image.sum(1, keepdim=True) - by_image) / (K - 1)).view(-1)  # (R,)
-                else:
-                    greedy = decode(decoder, features, DecodeConfig(beam_size=1, max_length=self.max_length),
-                                    self.vocab)
-                    greedy_words = [self.vocab.decode(h.tokens) for h in greedy]
-                    baseline = self.rewards(greedy_words, image_ids).to(device).repeat_interleave(K)  # (R,)
-                advantage = (reward - baseline).detach()  # (R,) no gradient through the baseline
+            with torch.autocast(device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+                # (N, L, D) grids; the encoder's output cloned so that autograd may use it
+                features = inputs if self.cached else self.model.encoder.infer(inputs).clone()
+                tokens, lengths = sample(decoder, features, K, self.max_length, self.vocab.start_id, self.vocab.end_id,
+                                         self.vocab.pad_id, self.banned, self.MIN_LENGTH)  # (R, T), (R,)
+                reward = self.rewards(self.words(tokens), [i for i in image_ids for _ in range(K)]).to(device)  # (R,)
+                advantage = (reward - self._baseline(reward, features, image_ids)).detach()  # (R,) no gradient
                 start = torch.full((len(tokens), 1), self.vocab.start_id, dtype=torch.long, device=device)
                 seqs = torch.cat([start, tokens.to(device)], dim=1)  # (R, T + 1) what the decoder reads
                 rows = torch.arange(len(image_ids), device=device).repeat_interleave(K)  # (R,) each sample's image
                 out = self.net(features, seqs, lengths.to(device), rows)  # packed: logits (P, V)
                 logp = self._token_log_probs(out.logits, seqs[out.caption, out.step + 1], out.step)  # (P,)
-                policy = -(advantage[out.caption] * logp).mean()
+                total = -(advantage[out.caption] * logp).mean()  # the policy gradient's loss
                 xent = logp.new_zeros(())
                 if self.cfg.scst_xent_weight:
                     xent = self._reference_xent(features, image_ids, device)
-                total = policy + self.cfg.scst_xent_weight * xent
+                total = total + self.cfg.scst_xent_weight * xent
                 if self.initial is not None:
                     total = total + self.cfg.scst_kl_weight * self._kl_from_initial(out.logits, features, seqs, lengths,
                                                                                     rows)
         finally:
             decoder.train(was_training)
         zero = total.new_zeros(())
-        return LossOutput(total, xent, zero, zero, reward.mean())
+        return BatchLoss(LossOutput(total, xent, zero, zero, reward.mean()), len(tokens), len(tokens))
+
+    def _baseline(self, reward: Tensor, features: Tensor, image_ids: list[int]) -> Tensor:
+        """(R,) what each sample's reward is measured against: the mean reward of its image's other
+        K - 1 samples, or (`scst_baseline: greedy`) the reward of the image's greedy caption."""
+        K = self.cfg.scst_samples
+        if self.cfg.scst_baseline == "mean":
+            by_image = reward.view(-1, K)  # (N, K)
+            return ((by_image.sum(1, keepdim=True) - by_image) / (K - 1)).view(-1)  # (R,)
+        greedy = decode(self.model.decoder, features, DecodeConfig(beam_size=1, max_length=self.max_length), self.vocab)
+        words = [self.vocab.decode(h.tokens) for h in greedy]
+        return self.rewards(words, image_ids).to(reward.device).repeat_interleave(K)  # (R,)
 
     def _token_log_probs(self, logits: Tensor, targets: Tensor, step: Tensor) -> Tensor:
         """(P, V) logits, (P,) targets and positions -> (P,) float32 log-probabilities of the targets
-        under the distribution `sample` draws from (`ban`: banned ids, and <end> at the first word, masked)."""
+        under the distribution `sample` draws from (`ban`: banned ids, and <end> too early, masked)."""
         banned = torch.tensor(self.banned, device=logits.device)
-        masked = ban(logits.float().clone(), banned, self.vocab.end_id, step < 1)  # (P, V)
+        masked = ban(logits.float().clone(), banned, self.vocab.end_id, step < self.MIN_LENGTH)  # (P, V)
         return torch.log_softmax(masked, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
 
     def _kl_from_initial(self, logits: Tensor, features: Tensor, seqs: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
@@ -137,5 +157,3 @@ class SelfCritical:
         rows = torch.tensor([n for n, _ in captions], device=device)  # (C,)
         out = self.net(features, tokens, lengths, rows)
         return F.cross_entropy(out.logits.float(), tokens[out.caption, out.step + 1])
-
-

@@ -12,16 +12,16 @@ import importlib.util
 import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.config import Config, ConfigError, ModelConfig, apply_overrides, load_config, parse_config, to_dict
+from captioner.config import Config, to_dict
 from captioner.data.order import EpochBatchSampler, mix_seed, steps_per_epoch
 from captioner.data.vocab import Vocabulary
 from captioner.files import atomic_write_text
@@ -29,6 +29,7 @@ from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.training.distributed import DistInfo, all_gather_objects, barrier, capture_rng, restore_rng
 from captioner.training.loss import LossOutput
+from captioner.training.objective import Objective
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,11 @@ class TrainState:
 
 
 class Meter:
-    """Running sums of the training loss since the last metrics line (kept on the device: no sync per step)."""
+    """Running sums since the last metrics line: each `LossOutput` term weighted by its captions (kept
+    on the device: no sync per step), and the captions, tokens, steps and seconds."""
 
-    TERMS = len(LossOutput._fields)  # total, xent, coverage, entropy, reward
+    TERMS = LossOutput._fields  # total, xent, coverage, entropy, reward
+    COUNTS = ("captions", "tokens", "steps", "seconds")
 
     def __init__(self) -> None:
         self.reset()
@@ -69,25 +72,38 @@ class Meter:
         self.steps += 1
         self.seconds += seconds
 
-    def totals(self) -> list[float]:
-        """[the TERMS loss sums, captions, tokens, steps, seconds] as floats."""
-        sums = self.sums.tolist() if self.sums is not None else [0.0] * self.TERMS
-        return [*sums, float(self.captions), float(self.tokens), float(self.steps), self.seconds]
+    def totals(self) -> dict[str, float]:
+        """Each term's sum and the counts, by name (TERMS, then COUNTS), as floats."""
+        sums = self.sums.tolist() if self.sums is not None else [0.0] * len(self.TERMS)
+        counts = (float(self.captions), float(self.tokens), float(self.steps), self.seconds)
+        return dict(zip((*self.TERMS, *self.COUNTS), (*sums, *counts)))
 
-    def load(self, totals: list[float]) -> None:
-        k = self.TERMS
-        if len(totals) == k + 2:  # written before the entropy and reward terms existed
-            totals = [*totals[: k - 2], 0.0, 0.0, *totals[k - 2:]]
-        elif len(totals) == k + 3:  # written before the reward term existed
-            totals = [*totals[: k - 1], 0.0, *totals[k - 1:]]
-        self.sums = torch.tensor(totals[:k], dtype=torch.float32) if totals[k] else None
-        self.captions, self.tokens, self.steps = int(totals[k]), int(totals[k + 1]), int(totals[k + 2])
-        self.seconds = float(totals[k + 3])
+    def means(self, totals: dict[str, float] | None = None) -> dict[str, float]:
+        """Each term's mean per caption, of `totals` (say summed over the ranks) or of this meter's."""
+        totals = self.totals() if totals is None else totals
+        return {k: totals[k] / max(totals["captions"], 1) for k in self.TERMS}
+
+    def load(self, totals: dict[str, float] | list[float]) -> None:
+        """Continue from `totals()` as a checkpoint stored it; a term it lacks (an older run's) counts 0."""
+        if isinstance(totals, list):
+            totals = _listed_totals(totals)
+        self.sums = torch.tensor([totals.get(k, 0.0) for k in self.TERMS], dtype=torch.float32) \
+            if totals["captions"] else None
+        self.captions, self.tokens, self.steps = int(totals["captions"]), int(totals["tokens"]), int(totals["steps"])
+        self.seconds = float(totals["seconds"])
+
+
+def _listed_totals(values: list[float]) -> dict[str, float]:
+    """The totals as `last.pt` held them before they were named: a list of the loss terms of its time
+    (total, xent, coverage, then entropy, then reward: 3, 4 or 5 of them), captions, tokens, steps,
+    seconds."""
+    terms = Meter.TERMS[: len(values) - len(Meter.COUNTS)]
+    return dict(zip((*terms, *Meter.COUNTS), values))
 
 
 @dataclass
 class Run:
-    """Everything `setup` builds; `fit` runs it."""
+    """Everything a recipe's `setup` builds and its loop runs."""
 
     cfg: Config
     out_dir: Path
@@ -95,13 +111,13 @@ class Run:
     dist: DistInfo
     vocab: Vocabulary
     model: CaptionModel  # the plain model (checkpoints, decoding)
-    net: nn.Module  # what the steps call: the decoder (cached features) or the model, DDP-wrapped when distributed
-    cached: bool
+    objective: Objective  # what a step does with a batch (its `net` is what the steps run)
+    cached: bool  # the batches hold grids from the feature cache (else images for the encoder)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     amp_dtype: torch.dtype | None
-    train_set: Dataset
+    train_set: Dataset  # what the objective's batches are made of: captions, or images (self-critical)
     sampler: EpochBatchSampler
     val_loader: DataLoader  # this rank's share of the validation images
     references: dict[int, list[str]]  # val image_id -> raw reference captions
@@ -111,7 +127,6 @@ class Run:
     writer: Any = None  # TensorBoard SummaryWriter when tensorboard is installed (rank 0)
     history: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # last validation
-    scst: Any = None  # the self-critical objective (`captioner.training.scst.SelfCritical`), or None: cross-entropy
     replacing: bool = False  # out_dir holds another run, to be removed at this run's first checkpoint
     claimed: bool = False  # the folder is this run's: its first checkpoint was written (or it is resumed)
 
@@ -267,29 +282,3 @@ def truncate_metrics(path: Path, step: int) -> None:
             pass
     if len(keep) != len(lines):
         atomic_write_text(path, "".join(ln + "\n" for ln in keep))
-
-
-def run_config(config: str | Path | None, overrides: list[str], resume: str | Path | None = None,
-               data: str | None = None) -> Config:
-    """The config of a run: the YAML file with overrides, or, when resuming, the checkpoint's own
-    config with the overrides (e.g. `train.epochs=30`). `data` replaces data.path."""
-    if resume is not None:
-        ckpt = load_checkpoint(resume)
-        if ckpt.train_state is None:
-            raise CheckpointError(f"{resume}: has no training state to resume from (use the run's last.pt)")
-        try:
-            cfg = parse_config(apply_overrides(to_dict(ckpt.config), overrides))
-        except ConfigError as e:
-            raise ConfigError(f"{resume}: {e}") from None
-    else:
-        if config is None and data is None:
-            raise ConfigError("give --config FILE or NAME, --data PATH (with the default settings), or --resume RUN/last.pt")
-        cfg = load_config(config, overrides)
-        if cfg.train.init:  # the model is the initial checkpoint's
-            init = load_checkpoint(cfg.train.init)
-            if cfg.model not in (ModelConfig(), init.model_config):
-                raise ConfigError(f"model.* comes from train.init ({cfg.train.init}): leave it out of the config")
-            cfg = replace(cfg, model=init.model_config)
-    if data:
-        cfg = replace(cfg, data=replace(cfg.data, path=data))
-    return cfg

@@ -1,7 +1,6 @@
-"""`captioner prepare`: records -> vocabulary (train split) -> feature cache (all splits).
+"""`captioner prepare`, the recipe: records -> vocabulary (train split) -> feature cache (all splits).
 
-The library part of the command: `prepare(...)` does the work and returns a `PrepareSummary`;
-the CLI prints it.
+`prepare(...)` does the work and returns a `PrepareSummary`; the CLI prints it.
 """
 from __future__ import annotations
 
@@ -46,7 +45,8 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, d
             image_root: str | Path | None = None, batch_size: int = 32, progress: bool = True) -> PrepareSummary:
     """Load records, build the vocabulary from the train split (saved as `out_dir/vocab.json`) and,
     with a frozen encoder and `data.use_cache`, the feature cache for every split (in
-    `data.cache_dir`, default `$CAPTIONER_CACHE/features`, where `captioner train` finds it). Raises CaptionerError for bad input."""
+    `data.cache_dir`, default `$CAPTIONER_CACHE/features`, where `captioner train` finds it). Raises
+    CaptionerError for bad input."""
     out_dir = writable_dir(out_dir)
     records = load_records(data, image_root)
     train_captions = [c for r in records if r.split == "train" for c in r.captions]
