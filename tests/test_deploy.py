@@ -286,3 +286,31 @@ def test_evaluate_with_the_onnx_runtime_scores_as_torch(tmp_path, capsys):
     assert len(scores["onnx"]["captions"]) == len(scores["torch"]["captions"]) >= 2
     assert [c["caption"] for c in scores["onnx"]["captions"]] == [c["caption"] for c in scores["torch"]["captions"]]
     assert scores["onnx"]["metrics"] == pytest.approx(scores["torch"]["metrics"], abs=1e-6)
+
+
+def test_a_small_export_stores_the_decoder_in_float16_and_captions_as_its_rounded_weights(tmp_path):
+    """`export --small`: no token tables, the decoder's weights rounded to float16 and stored so; its
+    captions, scores and maps are those of the torch model with those rounded weights, and its decoder
+    graphs are smaller than a full export's."""
+    import onnx
+
+    from captioner.deploy.export import half_weights
+    from captioner.model.checkpoint import load_checkpoint, restore_model
+
+    checkpoint = _checkpoint(tmp_path / "tiny.pt", attend="after", global_context=True, concepts=True)
+    full = export_onnx(checkpoint, tmp_path / "full")
+    small = export_onnx(checkpoint, tmp_path / "small", small=True)
+    assert max(small.differences.values()) < 1e-4
+    full_size_, small_size = (sum((r.folder / f"{g}.onnx").stat().st_size for g in ("memory", "step"))
+                              for r in (full, small))
+    assert small_size < 0.6 * full_size_  # a tiny vocabulary: its tables are small (Flickr8k: 9.3 vs 42.6 MB)
+    step = onnx.load(str(small.folder / "step.onnx"))
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in step.graph.initializer)
+    assert json.loads((small.folder / "manifest.json").read_text())["encoder"]["decoder_weights"] == "float16"
+    ckpt = load_checkpoint(checkpoint)
+    model = restore_model(ckpt, str(checkpoint))
+    model.decoder = half_weights(model.decoder)
+    rounded = Captioner(model, ckpt.vocab, ckpt.config.decode, "cpu")
+    for t, o in zip(rounded.caption(_images()), onnx_captioner(small.folder).caption(_images())):
+        assert o.tokens == t.tokens and o.score == pytest.approx(t.score, abs=1e-4)
+        np.testing.assert_allclose(o.attention, t.attention, atol=1e-4)

@@ -18,6 +18,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=("int8",),
                    help="int8: the encoder quantized to 8-bit integers (~2.2x faster on a CPU, captions change a "
                         "little; score it with captioner evaluate --runtime onnx); needs --calibration")
+    p.add_argument("--small", action="store_true",
+                   help="the decoder's weights in float16 and no token tables: about a quarter of the decoder graphs' "
+                        "size, for shipping a model (the step a little slower)")
     p.add_argument("--calibration", nargs="+", metavar="IMG",
                    help="photos like those you will caption (files, folders or glob patterns; up to "
                         f"{CALIBRATION_IMAGES} evenly spaced are used), for --quantize int8")
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         calibration, problems = expand_images(args.calibration)
         if problems:
             raise CaptionerError(problems[0])
-    report = export_onnx(args.checkpoint, args.out, int8_calibration=calibration)
+    report = export_onnx(args.checkpoint, args.out, int8_calibration=calibration, small=args.small)
     for path in report.files:
         print(f"wrote {path}")
     print("largest difference from torch: " + ", ".join(f"{k} {v:.1e}" for k, v in report.differences.items()))

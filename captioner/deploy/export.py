@@ -15,6 +15,7 @@ compared with torch on inputs of two batch sizes before the export counts as don
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -108,12 +109,51 @@ def manifest(ckpt: Any, model: CaptionModel, checkpoint: str, precision: dict[st
     }
 
 
+def half_weights(decoder: AttentionDecoder) -> AttentionDecoder:
+    """A copy of `decoder` whose weights are rounded to float16 (kept float32): the model a small
+    export stores exactly, and what its graphs are checked against."""
+    decoder = copy.deepcopy(decoder)
+    with torch.no_grad():
+        for p in decoder.parameters():
+            p.copy_(p.half().float())
+    return decoder
+
+
+def store_half(path: Path, min_size: int = 1024) -> None:
+    """Rewrite an ONNX graph so its float32 weights of at least `min_size` numbers that float16 holds
+    exactly (those `half_weights` rounded; not what the exporter folded from them) are stored in
+    float16, each cast back to float32 by a node ONNX Runtime folds away when it loads the graph: half
+    the file, the same arithmetic."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    graph, casts, kept = model.graph, [], []
+    for init in graph.initializer:
+        weights = numpy_helper.to_array(init) if init.data_type == onnx.TensorProto.FLOAT else None
+        if weights is not None and weights.size >= min_size and np.array_equal(weights.astype(np.float16), weights):
+            half = numpy_helper.from_array(weights.astype(np.float16), init.name + "_fp16")
+            kept.append(half)
+            casts.append(helper.make_node("Cast", [half.name], [init.name], to=onnx.TensorProto.FLOAT))
+        else:
+            kept.append(init)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    nodes = casts + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
 def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
-                int8_calibration: Sequence[str] | None = None) -> ExportReport:
+                int8_calibration: Sequence[str] | None = None, small: bool = False) -> ExportReport:
     """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. With
     `int8_calibration` (photo paths) the encoder is quantized to int8, calibrated on those photos
-    (`captioner.deploy.quantize`). Raises FormatError (one line) for what cannot be exported, and when
-    a graph differs from torch by more than TOLERANCE."""
+    (`captioner.deploy.quantize`). `small`: the decoder's weights rounded to float16 and stored so, and
+    no token tables in the step graph (about a quarter of the size; the step a little slower). Raises
+    FormatError (one line) for what cannot be exported, and when a graph differs from torch by more
+    than TOLERANCE."""
     require_onnx()
     out = writable_dir(out_dir)
     ckpt = load_checkpoint(checkpoint)
@@ -124,7 +164,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     calibration = (None if int8_calibration is None else  # read before minutes of export, not after
                    calibration_pixels(int8_calibration, model.encoder.transform(train=False)))
     generator = torch.Generator().manual_seed(seed)
-    S, dec = model.encoder.image_size, model.decoder
+    S, dec = model.encoder.image_size, (half_weights(model.decoder) if small else model.decoder)
 
     def examples(batch: int) -> dict[str, tuple[Tensor, ...]]:
         pixels = torch.randn(batch, 3, S, S, generator=generator)
@@ -139,7 +179,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     graphs = {  # name: (what is exported, what it must match, input names, output names)
         "encoder": (model.encoder, model.encoder, ["pixels"], ["grid"]),  # (B, 3, S, S) -> (B, L, D_enc)
         "memory": (memory, memory, ["grid"], ["features", "keys", "state"]),
-        "step": (InferenceStep(dec), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
+        "step": (InferenceStep(dec, tables=not small), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
                  ["logits", "alpha", "new_state"])}
     traced, checks = examples(2), [examples(1), examples(5)]
     files, differences = [], {}
@@ -147,19 +187,21 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
         path = out / f"{name}.onnx"
         log.info("exporting %s", path)
         export_graph(module, traced[name], inputs, outputs, path)
+        if small and name != "encoder":
+            store_half(path)
         differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
         if differences[name] > TOLERANCE:
             raise FormatError(f"{path}: differs from torch by {differences[name]:.2e} (more than {TOLERANCE:g})")
         files.append(path)
-    precision: dict[str, Any] = {"precision": "float32"}
+    precision: dict[str, Any] = {"precision": "float32", "decoder_weights": "float16" if small else "float32"}
     int8_difference = None
     if calibration is not None:
         log.info("quantizing the encoder to int8 on %d photos", len(calibration))
         partial = out / ".encoder-int8.onnx"
         int8_difference = quantize_encoder(out / "encoder.onnx", partial, calibration)
         partial.replace(out / "encoder.onnx")
-        precision = {"precision": "int8", "calibration": {"images": len(calibration),
-                                                          "relative_difference": round(int8_difference, 4)}}
+        precision.update(precision="int8", calibration={"images": len(calibration),
+                                                        "relative_difference": round(int8_difference, 4)})
     text = json.dumps(manifest(ckpt, model, str(checkpoint), precision), indent=1)
     files.append(atomic_write_text(out / MANIFEST, text))
     return ExportReport(out, files, differences, int8_difference)

@@ -46,9 +46,12 @@ class InferenceMemory(nn.Module):
 
 class InferenceStep(nn.Module):
     """tokens (R,), state (R, S_h), features (R, L, D), 2·keys (R, L, A) -> logits (R, V),
-    alpha (R, L), new state (R, S_h): `AttentionDecoder.step` of an eval-mode decoder."""
+    alpha (R, L), new state (R, S_h): `AttentionDecoder.step` of an eval-mode decoder.
 
-    def __init__(self, decoder: AttentionDecoder) -> None:
+    `tables` False: no token tables (the embedding is multiplied as the decoder does), for a small
+    graph holding only the decoder's own weights (`export --small`)."""
+
+    def __init__(self, decoder: AttentionDecoder, tables: bool = True) -> None:
         super().__init__()
         d = decoder
         H, E = d.hidden_dim, d.embedding.embedding_dim
@@ -57,7 +60,13 @@ class InferenceStep(nn.Module):
         self.hidden_dim, self.attend_after = H, d.attend_after
         with torch.no_grad():
             D = d.attention.key_proj.in_features
-            self.gates_of_token = _frozen(table @ w_ih[:, :E].T + d.cell.bias_ih)  # (V, 3H)
+            if tables:
+                self.gates_of_token = _frozen(table @ w_ih[:, :E].T + d.cell.bias_ih)  # (V, 3H)
+                self.token_embedding = self.w_ih_token = self.b_ih = None
+            else:
+                self.gates_of_token = None
+                self.token_embedding, self.w_ih_token = _frozen(table), _frozen(w_ih[:, :E])  # (V, E), (3H, E)
+                self.b_ih = _frozen(d.cell.bias_ih)  # (3H,)
             self.w_ih_context = _frozen(w_ih[:, E : E + D])  # (3H, D)
             # with global_context the GRU also reads the grid's mean: (3H, D), else None
             self.w_ih_scene = _frozen(w_ih[:, E + D :]) if d.global_context else None
@@ -68,7 +77,7 @@ class InferenceStep(nn.Module):
             if self.gated:
                 self.gate_w, self.gate_b = _frozen(d.gate.weight), _frozen(d.gate.bias)  # (D, H), (D,)
             self.w_r_state = _frozen(w_r[:, : w_r.size(1) - E])  # (V, H + D) over [h'; context]
-            if table.size(0) <= READOUT_TABLE_MAX_VOCAB:
+            if tables and table.size(0) <= READOUT_TABLE_MAX_VOCAB:
                 self.readout_of_token = _frozen(table @ w_r[:, -E:].T + d.readout.bias)  # (V, V)
                 self.embedding = self.w_r_token = self.b_r = None
             else:
@@ -89,7 +98,10 @@ class InferenceStep(nn.Module):
 
     def _gru(self, tokens: Tensor, inputs: Tensor, hidden: Tensor, features: Tensor) -> Tensor:
         """torch's GRUCell on [embed(token); inputs (; mean of features)] with the embedding part from the table."""
-        x = self.gates_of_token[tokens] + inputs @ self.w_ih_context.T  # (R, 3H)
+        if self.gates_of_token is not None:
+            x = self.gates_of_token[tokens] + inputs @ self.w_ih_context.T  # (R, 3H)
+        else:
+            x = self.token_embedding[tokens] @ self.w_ih_token.T + self.b_ih + inputs @ self.w_ih_context.T  # (R, 3H)
         if self.w_ih_scene is not None:
             x = x + features.mean(dim=1) @ self.w_ih_scene.T  # (R, D) @ (D, 3H)
         h = hidden @ self.w_hh.T + self.b_hh  # (R, 3H)
