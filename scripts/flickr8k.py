@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.bundle)
         train = (data / "Flickr_8k.trainImages.txt").read_text().split()
         calibration = [str(data / "Images" / name) for name in train[:: max(1, len(train) // 64)][:64]]
-        stage("bundle", CAPTIONER + ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "--quantize",
-                                     "int8", "--calibration", *calibration], env, out / "bundle.log")
+        export = ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "--quantize", "int8"]
+        stage("bundle", CAPTIONER + export + ["--calibration", *calibration], env, out / "bundle.log")
         write_card(folder / "MODEL_CARD.md", best, rows, minutes, args)
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         print(f"bundled the {best} model: {folder} ({size:.1f} MB)")
