@@ -26,7 +26,8 @@ CAPTIONER = [sys.executable, "-m", "captioner.cli"]
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="../shared/data/flickr8k", help="the Flickr8k folder (Flickr8k.token.txt, Images/)")
+    p.add_argument("--data", default="../shared/data/flickr8k",
+                   help="the Flickr8k folder (Flickr8k.token.txt, Images/)")
     p.add_argument("--out", default="runs/flickr8k-recipe", help="folder for both runs and the reports")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (OMP_NUM_THREADS)")
     p.add_argument("--config", default="flickr8k", help="the cross-entropy config")
