@@ -13,6 +13,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                                    "images and draws where it looked for every word.")
     add_device(p)
     p.add_argument("--out", default="runs/demo", help="run folder (checkpoints, metrics, attention.png)")
+    p.add_argument("--photos", metavar="DIR",
+                   help="also caption the first 3 photos of DIR with the bundled Flickr8k model (besides "
+                        "matplotlib's sample photo)")
     add_overrides(p, "train.epochs=5")
     p.set_defaults(func=run)
 
@@ -20,9 +23,13 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from captioner.recipes.demo import run_demo
 
-    r = run_demo(args.out, args.device, args.overrides)
+    r = run_demo(args.out, args.device, args.overrides, args.photos)
     print(f"\ntrained {r.train.epochs} epochs ({r.train.steps} steps) -> {r.train.best or r.train.last}")
     print(f"held-out shapes test split, {len(r.evaluation.captions)} images:")
     print_evaluation(r.evaluation.metrics, r.evaluation.grounding)
     print(f"\n{r.example.path}\n  caption: {r.example.text}\n  attention picture: {r.picture}")
+    if r.photos:
+        print("\nreal photos, captioned by the bundled Flickr8k model (no training):")
+    for caption, picture in r.photos:
+        print(f"{caption.path}\n  caption: {caption.text}\n  attention picture: {picture}")
     return 0

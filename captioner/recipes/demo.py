@@ -2,7 +2,9 @@
 
 Builds the shapes set, trains a small model from the shipped `shapes` config, scores it on the held-out
 test split (caption metrics and attention grounding), captions one held-out image and draws where
-the model looked for every word.
+the model looked for every word. Then the model bundled with the package (Flickr8k, no training)
+captions real photos that come with the installation (matplotlib's sample photo; the Flickr8k dev
+photos of `photos_dir` too, when given) and draws where it looked.
 """
 from __future__ import annotations
 
@@ -29,6 +31,32 @@ class DemoResult:
     evaluation: Evaluation  # on the shapes test split
     example: Caption  # the held-out image's caption
     picture: Path  # its attention picture
+    photos: list[tuple[Caption, Path]]  # real photos captioned by the bundled model, with their pictures
+
+
+def sample_photos(photos_dir: str | Path | None = None, n: int = 3) -> list[Path]:
+    """Real photos at hand offline: matplotlib's sample photo, and the first `n` of `photos_dir`."""
+    import matplotlib
+
+    photos = [Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"]
+    if photos_dir is not None and Path(photos_dir).is_dir():
+        photos += sorted(Path(photos_dir).glob("*.jpg"))[:n]
+    return [p for p in photos if p.is_file()]
+
+
+def caption_photos(photos: list[Path], out_dir: Path) -> list[tuple[Caption, Path]]:
+    """Caption `photos` with the bundled model (none bundled: nothing) and draw each one's attention."""
+    from captioner.deploy.folder import bundled_model
+    from captioner.deploy.lite import lite_captioner
+
+    folder = bundled_model()
+    if folder is None or not photos:
+        return []
+    captioner = lite_captioner(folder)
+    drawn = []
+    for path, caption in zip(photos, captioner.caption([str(p) for p in photos])):
+        drawn.append((caption, plot_attention(load_image(path), caption, out_dir / "photos" / f"{path.stem}.png")))
+    return drawn
 
 
 def demo_config(overrides: list[str] | None = None) -> Config:
@@ -36,8 +64,10 @@ def demo_config(overrides: list[str] | None = None) -> Config:
     return load_config(CONFIG, overrides)
 
 
-def run_demo(out_dir: str | Path, device: str = "auto", overrides: list[str] | None = None) -> DemoResult:
-    """Train on shapes into `out_dir`, evaluate on the test split, caption and draw one test image."""
+def run_demo(out_dir: str | Path, device: str = "auto", overrides: list[str] | None = None,
+             photos_dir: str | Path | None = None) -> DemoResult:
+    """Train on shapes into `out_dir`, evaluate on the test split, caption and draw one test image;
+    then caption and draw real photos with the bundled model (`sample_photos(photos_dir)`)."""
     out_dir = Path(out_dir)
     cfg = demo_config(overrides)
     result = train(cfg, out_dir, device, overwrite=True)  # the demo's folder is the demo's: a rerun replaces it
@@ -49,4 +79,4 @@ def run_demo(out_dir: str | Path, device: str = "auto", overrides: list[str] | N
     record = max(test, key=lambda r: len(r.boxes))
     example = captioner.caption([record.image])[0]
     picture = plot_attention(load_image(record.image), example, out_dir / "attention.png")
-    return DemoResult(result, evaluation, example, picture)
+    return DemoResult(result, evaluation, example, picture, caption_photos(sample_photos(photos_dir), out_dir))
