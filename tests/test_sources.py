@@ -121,9 +121,9 @@ def test_bad_csv_names_file_and_line(tmp_path):
 
 def test_bad_token_file_and_json_name_file_line_or_key(tmp_path):
     token = tmp_path / "Flickr8k.token.txt"
-    token.write_text("a.jpg#0\tA dog.\nb.jpg#0 no tab here\n")
-    with pytest.raises(SourceError, match=r"Flickr8k.token.txt:2: expected"):
-        load_records(token)
+    token.write_text("b.jpg#0 no tab here\nc.jpg no tab either\n")
+    with pytest.raises(SourceError, match=r"Flickr8k.token.txt: no line of the form .* \(line 1\)"):
+        load_records(tmp_path)  # the folder: found by its file name, then read
     broken = tmp_path / "dataset_x.json"
     broken.write_text('{"images": [\n  {"filename": "a.jpg",\n }')
     with pytest.raises(SourceError, match=r"dataset_x.json:\d+: invalid JSON"):
@@ -171,3 +171,22 @@ def test_real_flickr8k_800_loads():
     assert len(records) == 800 and sum(len(r.captions) for r in records) == 4000
     assert all(r.image.is_file() for r in records[:50])
     assert {r.split for r in records} == {"train", "val"}
+
+
+def test_flickr_token_mistakes_are_skipped_counted_and_reported_once(tmp_path, caplog):
+    """The real data set's mistakes: a line without a tab, a caption with no words once tokenised, a
+    split list naming photos with no captions. Each costs only itself and is reported once, by count."""
+    import logging
+
+    (tmp_path / "Flickr8k.token.txt").write_text(
+        "a.jpg#0\tA dog runs.\nb.jpg#0 no tab here\nc.jpg#0 no tab either\na.jpg#1\t ... !\nd.jpg#0\tA cat.\n")
+    (tmp_path / "Flickr_8k.trainImages.txt").write_text("a.jpg\nghost.jpg\nphantom.jpg\n")
+    (tmp_path / "Flickr_8k.devImages.txt").write_text("d.jpg\n")
+    with caplog.at_level(logging.WARNING):
+        records = load_records(tmp_path)
+    by_name = {r.image.name: r for r in records}
+    assert set(by_name) == {"a.jpg", "d.jpg"} and by_name["a.jpg"].captions == ("A dog runs.",)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for said in ("2 line(s) not 'IMAGE#N<TAB>caption' skipped (first: line 2)",
+                 "1 caption(s) with no words once tokenised skipped", "2 listed photo(s) have no captions"):
+        assert sum(said in w for w in warnings) == 1, (said, warnings)

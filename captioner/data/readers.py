@@ -31,13 +31,21 @@ def _guess_root(file: Path, image_root: Path | None, candidates: list[Path], pro
     return fallback
 
 
-def _group(pairs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
-    """{image name: [captions]} in first-seen order; empty captions dropped."""
+def _group(pairs: Iterable[tuple[str, str]], path: Path | None = None) -> dict[str, list[str]]:
+    """{image name: [captions]} in first-seen order; captions with no words (empty, or only
+    punctuation once tokenised) dropped, counted and reported once (naming `path`)."""
+    from captioner.data.vocab import tokenize
+
     out: dict[str, list[str]] = {}
+    empty = 0
     for name, caption in pairs:
         caps = out.setdefault(name, [])
-        if caption.strip():
+        if tokenize(caption):
             caps.append(caption.strip())
+        else:
+            empty += 1
+    if empty and path is not None:
+        log.warning("%s: %d caption(s) with no words once tokenised skipped", path, empty)
     return out
 
 
@@ -189,23 +197,26 @@ def read_flickr_csv(path: Path, image_root: Path | None) -> tuple[list[Record], 
 
 def read_flickr_token(path: Path, image_root: Path | None) -> tuple[list[Record], bool]:
     """`Flickr8k.token.txt`: `name.jpg#i<TAB>caption`; splits from `Flickr_8k.{train,dev,test}Images.txt`."""
-    pairs = []
+    pairs, bad = [], []
     try:
         with path.open(encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
                 if not line.strip():
                     continue
-                if "\t" not in line:
-                    raise SourceError(f"{path}:{lineno}: expected 'IMAGE#N<TAB>caption', found no tab")
-                key, caption = line.split("\t", 1)
+                key, tab, caption = line.partition("\t")
                 name = key.rsplit("#", 1)[0].strip() if "#" in key else key.strip()
-                if not name:
-                    raise SourceError(f"{path}:{lineno}: empty image name")
+                if not tab or not name:  # one bad line costs itself, not the data set
+                    bad.append(lineno)
+                    continue
                 pairs.append((name, caption))
     except UnicodeDecodeError:
         raise SourceError(f"{path}: not a UTF-8 text file") from None
-    groups = _group(pairs)
+    if not pairs:
+        raise SourceError(f"{path}: no line of the form 'IMAGE#N<TAB>caption'" + (f" (line {bad[0]})" if bad else ""))
+    if bad:
+        log.warning("%s: %d line(s) not 'IMAGE#N<TAB>caption' skipped (first: line %d)", path, len(bad), bad[0])
+    groups = _group(pairs, path)
     folder, up = path.parent, path.parent.parent
     candidates = [d / n for d in (folder, up) for n in ("Flicker8k_Dataset", "Flickr8k_Dataset", "Images", "images",
                                                           "flickr30k-images")] + [folder]
@@ -218,7 +229,12 @@ def read_flickr_token(path: Path, image_root: Path | None) -> tuple[list[Record]
     split_of: dict[str, str] = {}
     for split, list_path in lists.items():
         if list_path.is_file():
-            for name in list_path.read_text(encoding="utf-8").split():
+            names = list_path.read_text(encoding="utf-8").split()
+            uncaptioned = [n for n in names if not groups.get(n)]
+            if uncaptioned:
+                log.warning("%s: %d listed photo(s) have no captions in %s and are left out (first: %s)", list_path,
+                            len(uncaptioned), path.name, uncaptioned[0])
+            for name in names:
                 split_of.setdefault(name, split)
     records = [Record(root / n, tuple(c), split_of[n]) for n, c in groups.items() if c and n in split_of]
     if len(records) < len(groups):
