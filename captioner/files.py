@@ -58,6 +58,9 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
     `path`, on any failure (exceptions, KeyboardInterrupt) removed, leaving `path` as it was."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # what open() would have made: mkstemp's 0600 hides a shared model from others
     try:
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f

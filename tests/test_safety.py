@@ -287,3 +287,19 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     proc.stdout.close()
     stderr = proc.stderr.read()
     assert proc.wait() == 141 and stderr == "", stderr
+
+
+def test_atomic_writes_get_the_usual_permissions(tmp_path):
+    """A file written atomically is readable by others as open() would make it (mkstemp alone: 0600),
+    so an exported model folder installed for everyone can be read by everyone."""
+    import os
+    import stat
+
+    from captioner.files import atomic_write_text
+
+    umask = os.umask(0o022)
+    try:
+        path = atomic_write_text(tmp_path / "manifest.json", "{}")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
