@@ -1,24 +1,119 @@
 """The demo end to end, exactly as `captioner demo` runs it: real encoder, real training, held-out
-scores, the grounding target, a picture."""
+scores, the grounding target, a picture, and the output the README shows for it."""
+import re
+from pathlib import Path
+
 import pytest
 
-from captioner.recipes.demo import run_demo
+import captioner.recipes.demo as recipe
+from captioner.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_MARKER = "`make demo` ends like this"
 
 # The issue's target for the demo model. Chance level: an object's box holds about 8-16% of the
-# cell centres, so a peak placed at random lands inside 8-16% of the time. Measured: 0.939, 0.944
-# and 0.954 over three training seeds.
+# cell centres, so a peak placed at random lands inside 8-16% of the time (the printed table's
+# `centre` and `even` columns are the baselines on the same words).
 GROUNDING_TARGET = 0.90
+
+# How far a number the README shows may be from the one the demo prints: 1% of it, or one unit of
+# its last printed digit, whichever is more. One machine prints the same digits every run; another
+# CPU may round the last one differently, while a README left behind by a change of the model is
+# off by more (CIDEr-D 5.61 against 5.77 is 2.8%).
+RELATIVE = 0.01
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def readme_demo_block(text: str) -> list[str]:
+    """The lines of the fenced block that follows "`make demo` ends like this" in the README."""
+    after = text[text.index(README_MARKER):]
+    match = re.search(r"^```[^\n]*\n(.*?)^```", after, re.S | re.M)
+    assert match, f"no fenced block after {README_MARKER!r} in {README}"
+    return match.group(1).rstrip("\n").split("\n")
+
+
+def plain(line: str) -> str:
+    """A line with each path cut to its file name: where the cache, the run folder and matplotlib's
+    sample photo lie differs from one machine to the next, the file does not."""
+    return " ".join(Path(token).name if "/" in token else token for token in line.split())
+
+
+def words(line: str) -> list[list[str]]:
+    """A line without its numbers: the words between them."""
+    return [part.split() for part in NUMBER.split(plain(line))]
+
+
+def mismatch(shown: str, printed: str) -> str | None:
+    """Why a README line does not match a printed line (the same words and files, each number
+    within tolerance), or None when it does."""
+    if words(shown) != words(printed):
+        return "the words differ"
+    for a, b in zip(NUMBER.findall(plain(shown)), NUMBER.findall(plain(printed))):
+        unit = 10.0 ** -len(a.split(".")[1]) if "." in a else 0.0
+        if abs(float(a) - float(b)) > max(RELATIVE * abs(float(a)), unit) + 1e-12:
+            return f"{a} is not {b}"
+    return None
+
+
+def compare_with_readme(block: list[str], printed: list[str]) -> list[str]:
+    """Every difference between the README's block and what the demo printed, one line each.
+    The README's block is the end of the demo's output, line for line; METEOR is left out when this
+    machine has no Java to score it."""
+    if any(line.startswith("METEOR") and "skipped" in line for line in printed):
+        block = [line for line in block if not line.startswith("METEOR")]
+        printed = [line for line in printed if not line.startswith("METEOR")]
+    start = next((i for i, line in enumerate(printed) if block and words(block[0]) == words(line)), None)
+    if start is None:
+        return [f"the README's first line {block[:1]} is not in the demo's output"]
+    printed = printed[start:]
+    problems = [f"README: {shown!r}\n  demo: {line!r}\n  ({why})"
+                for shown, line in zip(block, printed) if (why := mismatch(shown, line))]
+    if len(block) != len(printed):
+        problems.append(f"the README shows {len(block)} lines, the demo printed {len(printed)} from there")
+    return problems
 
 
 @pytest.mark.slow
-def test_the_demo_learns_captions_and_reaches_the_grounding_target(tmp_path, monkeypatch):
-    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
-    result = run_demo(tmp_path / "run", "cpu")
+def test_the_demo_learns_captions_reaches_the_grounding_target_and_prints_what_the_readme_shows(
+        tmp_path, monkeypatch, capsys):
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    monkeypatch.setenv("CAPTIONER_CACHE", str(cache))
+    results = []
+    run_demo = recipe.run_demo
+    monkeypatch.setattr(recipe, "run_demo", lambda *a, **k: results.append(run_demo(*a, **k)) or results[-1])
+
+    assert main(["demo", "--out", str(out), "--device", "cpu"]) == 0
+    # The paths as a fresh clone prints them: `make demo` writes to runs/demo, the cache is ~/.cache/captioner.
+    printed = capsys.readouterr().out.replace(str(out), "runs/demo").replace(str(cache), "~/.cache/captioner")
+    print(printed)
+
+    (result,) = results
     metrics, grounding = result.evaluation.metrics, result.evaluation.grounding
     assert len(result.evaluation.captions) == 100  # the held-out test split
     assert metrics["Bleu_4"] > 0.9 and metrics["CIDEr"] > 5.0, metrics  # untrained: ~0 and ~0
-    print(metrics, grounding)
     assert grounding is not None and grounding.words > 300
     assert grounding.hit_rate >= GROUNDING_TARGET, grounding
     assert result.picture.stat().st_size > 10_000
     assert result.example.tokens and result.example.attention.shape[0] == len(result.example.tokens)
+
+    problems = compare_with_readme(readme_demo_block(README.read_text()), printed.rstrip("\n").split("\n"))
+    assert not problems, ("README.md's `make demo` block is not what the demo prints; paste the output above into "
+                          "it:\n" + "\n".join(problems))
+
+
+def test_the_readme_comparison_catches_a_stale_number():
+    printed = ["held-out shapes test split, 100 images:", "metric       score", "CIDEr-D     5.7700",
+               "  all                     392  0.956   0.083  0.796  0.062", "  caption: a red circle"]
+    assert compare_with_readme(printed[1:], printed) == []
+    assert compare_with_readme(["CIDEr-D     5.7800", printed[-2], printed[-1]], printed) == []  # within 1%
+    assert compare_with_readme(["CIDEr-D     5.7700", "  all                     392  0.957   0.083  0.796  0.062",
+                                printed[-1]], printed) == []  # the last digit
+    stale = compare_with_readme(["CIDEr-D     5.6069", printed[-2], printed[-1]], printed)
+    assert len(stale) == 1 and "5.6069 is not 5.7700" in stale[0]
+    assert compare_with_readme(["  all                     392  0.941   0.083  0.796  0.062", printed[-1]], printed)
+    assert compare_with_readme(["  caption: a blue circle"], printed)  # other words
+    assert compare_with_readme(printed[1:-1], printed)  # a line missing at the end
+    assert compare_with_readme(["~/.cache/captioner/shapes-0-1000/images/00019.png"],
+                               ["/tmp/x/cache/shapes-0-1000/images/00019.png"]) == []  # where it lies
+    assert compare_with_readme(["~/.cache/captioner/shapes-0-1000/images/00019.png"],
+                               ["/tmp/x/cache/shapes-0-1000/images/00021.png"])  # another image
