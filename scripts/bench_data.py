@@ -22,7 +22,7 @@ from captioner.data.datasets import CaptionDataset, collate
 from captioner.data.sources import read_source as load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.model.encoder import build_encoder
-from captioner.runtime import resolve_device
+from captioner.device import resolve_device
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"
 

@@ -35,7 +35,7 @@ from captioner.decoding.captioner import Captioner
 from captioner.decoding.search import decode
 from captioner.model import build_model
 from captioner.model.checkpoint import save_checkpoint
-from captioner.runtime import seed_everything
+from captioner.device import seed_everything
 
 
 def get_args_parser() -> argparse.ArgumentParser:

@@ -39,7 +39,7 @@ from captioner.data.records import split_records
 from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.model import build_model
-from captioner.runtime import autocast_dtype
+from captioner.device import autocast_dtype
 from captioner.training.loop import optimize, train_one_epoch
 from captioner.training.loss import Criterion, build_criterion
 from captioner.training.objective import CrossEntropy

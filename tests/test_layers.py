@@ -10,7 +10,7 @@ import captioner
 
 PACKAGE = Path(captioner.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
-    ("captioner.errors", "captioner.files", "captioner.runtime", "captioner.config"),  # base
+    ("captioner.errors", "captioner.files", "captioner.device", "captioner.config"),  # base
     ("captioner.data",),
     ("captioner.model",),
     ("captioner.decoding",),

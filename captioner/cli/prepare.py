@@ -24,7 +24,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from captioner.config import load_config
     from captioner.recipes.prepare import prepare
-    from captioner.runtime import resolve_device
+    from captioner.device import resolve_device
 
     cfg = load_config(args.config, overrides(args))
     data = dataclasses.replace(cfg.data, path=args.data) if args.data else cfg.data

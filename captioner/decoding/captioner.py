@@ -37,7 +37,7 @@ from captioner.decoding.search import Hypothesis, decode_n_best
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import Checkpoint, CheckpointError, load_checkpoint, restore_model
 from captioner.model.encoder import CPU_CHUNK
-from captioner.runtime import resolve_device
+from captioner.device import resolve_device
 
 log = logging.getLogger(__name__)
 

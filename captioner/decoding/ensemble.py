@@ -29,9 +29,6 @@ class EnsembleMemory:
     def select(self, rows: Tensor) -> EnsembleMemory:
         return EnsembleMemory(tuple(m.select(rows) for m in self.members))
 
-    def head(self, n: int) -> EnsembleMemory:
-        return EnsembleMemory(tuple(m.head(n) for m in self.members))
-
 
 class EnsembleDecoder(nn.Module):
     """The mean of several decoders' word distributions and attention maps."""

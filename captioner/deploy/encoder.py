@@ -22,7 +22,7 @@ from captioner.deploy import FormatError, require_onnx
 from captioner.deploy.runtime import encode_in_chunks, ort_session
 from captioner.files import cache_home
 from captioner.model.encoder import Encoder
-from captioner.runtime import resolve_device
+from captioner.device import resolve_device
 
 log = logging.getLogger(__name__)
 

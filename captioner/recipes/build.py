@@ -35,7 +35,7 @@ from captioner.files import remove_stale_temporaries, writable_dir
 from captioner.model.caption_model import CaptionModel, build_model
 from captioner.model.checkpoint import Checkpoint, load_checkpoint, restore_model
 from captioner.model.encoder import Encoder
-from captioner.runtime import autocast_dtype
+from captioner.device import autocast_dtype
 from captioner.training.distributed import DistInfo, all_gather_objects, main_first
 from captioner.training.loss import build_criterion
 from captioner.training.objective import CrossEntropy, Objective

@@ -35,7 +35,7 @@ from captioner.recipes.build import (
     check_run_folder,
     load_splits,
 )
-from captioner.runtime import resolve_device, seed_everything
+from captioner.device import resolve_device, seed_everything
 from captioner.training.distributed import (
     DistInfo,
     dist_from_env,
