@@ -208,6 +208,15 @@ class DecodeConfig(_Section):
     no_repeat_ngram: int = 0  # 0 = off
     no_dangling: bool = True  # <end> never right after a function word: no "a man riding a"
 
+    def with_overrides(self, **overrides: Any) -> DecodeConfig:
+        """These settings with `overrides` (field names; None = keep). TypeError names unknown ones."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown decode setting(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+        return dataclasses.replace(self, **overrides)
+
 
 @dataclass(frozen=True)
 class Config(_Section):

@@ -141,12 +141,7 @@ class Captioner:
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
         """The default decode settings with `overrides` (DecodeConfig field names; None = keep)."""
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        names = {f.name for f in dataclasses.fields(DecodeConfig)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise TypeError(f"unknown decode setting(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-        return dataclasses.replace(self.decode, **overrides)
+        return self.decode.with_overrides(**overrides)
 
     # --- captioning ---------------------------------------------------------------------------
 

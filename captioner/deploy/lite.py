@@ -99,12 +99,7 @@ class LiteCaptioner:
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
         """The default decode settings with `overrides` (DecodeConfig field names; None = keep)."""
-        overrides = {k: v for k, v in overrides.items() if v is not None}
-        names = {f.name for f in dataclasses.fields(DecodeConfig)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise TypeError(f"unknown decode setting(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-        return dataclasses.replace(self.decode, **overrides)
+        return self.decode.with_overrides(**overrides)
 
     def _settings(self, alternatives: int, text: str | None,
                   overrides: dict[str, Any]) -> tuple[DecodeConfig, list[int] | None]:
