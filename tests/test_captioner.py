@@ -213,7 +213,8 @@ def test_averaged_checkpoints_hold_the_mean_weights(tmp_path, capsys):
 
 def test_cli_evaluate_with_a_box_file(tmp_path, monkeypatch, capsys):
     """`--boxes FILE` scores the pointing game on the photos the file names (here: the shapes test
-    images, boxed by hand as a user would), on generated and on reference captions."""
+    images, boxed by hand as a user would), on generated and on reference captions; with
+    `--relevance`, the gradient relevance maps of the same words too, labelled apart."""
     from captioner.data.sources import load_records
 
     monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "cache"))
@@ -225,15 +226,28 @@ def test_cli_evaluate_with_a_box_file(tmp_path, monkeypatch, capsys):
         {"words": b.label.split()[-1:], "boxes": [[b.x0, b.y0, b.x1, b.y1]]} for b in r.boxes]}) + "\n" for r in test))
     out_json = tmp_path / "results.json"
     code = main(["evaluate", "--checkpoint", str(ckpt), "--split", "test", "--boxes", str(boxes), "--out",
-                 str(out_json), "--beam", "2", "--no-meteor", "--device", "cpu"])
+                 str(out_json), "--beam", "2", "--no-meteor", "--device", "cpu", "--relevance"])
     out, _ = capsys.readouterr()
     assert code == 0 and "centre" in out and "even" in out
+    assert "grounding (gradient relevance, not attention: the reference captions)" in out
     report = json.loads(out_json.read_text())
     forced = report["reference_grounding"]
     shape_words = sum(1 for r in test for c in r.captions for w in c.split() if w in {"circle", "square", "triangle"})
     assert forced["all"]["words"] == shape_words  # only the shape names are boxed now, not the colours
     assert set(forced["by_word"]) <= {"circle", "square", "triangle"}
     assert set(forced["all"]) == {"words", "hit_rate", "mean_mass", "centre_hit_rate", "even_mass"}
+    relevance = report["relevance"]
+    assert relevance["reference"]["all"]["words"] == shape_words
+    assert relevance["generated"]["all"]["words"] == report["grounding"]["all"]["words"]
+    assert relevance["reference"]["all"]["mean_mass"] != forced["all"]["mean_mass"]  # other maps, same words
+
+
+def test_cli_evaluate_relevance_needs_boxes_and_the_torch_decoder(tmp_path, capsys, checkpoint):
+    for extra, message in ((["--relevance"], "give --boxes FILE too"),
+                           (["--relevance", "--boxes", "b.jsonl", "--runtime", "onnx"], "use --runtime torch")):
+        assert main(["evaluate", "--checkpoint", str(checkpoint), "--device", "cpu", *extra]) != 0
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
 
 
 def test_cli_evaluate_refuses_a_bad_box_file_before_captioning(tmp_path, capsys, checkpoint):

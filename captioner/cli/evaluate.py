@@ -31,6 +31,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--boxes", metavar="FILE",
                    help="object boxes for the grounding score (pointing game): JSON lines "
                         "{image, objects: [{words, boxes}]} or a COCO instances JSON")
+    p.add_argument("--relevance", action="store_true",
+                   help="with --boxes, also score gradient relevance maps (where each word's evidence is, "
+                        "Grad-CAM style) on the same words; the attention scores stay the decoder's own")
     add_runtime(p)
     p.set_defaults(func=run)
 
@@ -51,9 +54,13 @@ def run(args: argparse.Namespace) -> int:
         raise CaptionerError(f"--limit must be at least 1, got {args.limit}")
     if args.out:
         writable_file(args.out, "report")  # before minutes of captioning, not after
+    if args.relevance and not args.boxes:
+        raise CaptionerError("--relevance scores maps against object boxes: give --boxes FILE too")
+    if args.relevance and args.runtime == "onnx":
+        raise CaptionerError("--relevance needs the decoder's gradients: use --runtime torch")
     boxes = read_boxes(args.boxes) if args.boxes else None  # a bad file fails before any captioning
     options = {"meteor": False if args.no_meteor else None, "progress": _tqdm if sys.stderr.isatty() else None,
-               "boxes": boxes}
+               "boxes": boxes, "relevance": args.relevance}
     if args.runtime == "onnx":  # an export folder or a checkpoint; the data settings from its manifest
         from captioner.deploy.runtime import exported_data
 
@@ -73,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"grounding: none of the {len(result.captions)} captioned images is in {args.boxes}")
     if result.reference_grounding is not None:
         print_grounding(result.reference_grounding, "teacher-forced on the reference captions")
+    for kind, what in (("generated", "generated captions"), ("reference", "the reference captions")):
+        if kind in result.relevance:
+            print_grounding(result.relevance[kind], f"gradient relevance, not attention: {what}")
     for path, reason in result.skipped[:20]:
         print(f"skipped:  {path}: {reason}")
     if len(result.skipped) > 20:

@@ -35,6 +35,9 @@ class GroundObject:
     boxes: tuple[BoxXYXY, ...]
 
 
+Boxes = dict[str, list[GroundObject]]  # photo file name -> its boxed objects (`read_boxes`)
+
+
 # The caption words that name each COCO category (singular and plural); a category missing here
 # is named by its own name.
 COCO_WORDS: dict[str, tuple[str, ...]] = {
@@ -91,7 +94,7 @@ COCO_WORDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def read_boxes(path: str | Path) -> dict[str, list[GroundObject]]:
+def read_boxes(path: str | Path) -> Boxes:
     """The boxed objects of each photo, keyed by the photo's file name (no folder).
 
     Raises SourceError (one line, naming the file and, for JSON lines, the line) on a missing or

@@ -73,6 +73,12 @@ def load_image(path: str | Path, draft: int | None = None) -> Image.Image:
             return im
 
 
+def photo_size(path: str | Path) -> tuple[int, int]:
+    """(w, h) of the photo upright (EXIF orientation applied), from its header alone. Raises ImageError."""
+    with _reading(path), Image.open(path) as im:
+        return _upright(im)
+
+
 def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_000) -> Image.Image:
     """Image file bytes (an upload) -> RGB image, exactly as `load_image` reads a file, from memory
     only. Raises NotAnImage, ImageTooLarge (more than `max_pixels`, checked from the header before

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from captioner.config import DataConfig, DecodeConfig
-from captioner.data.boxes import GroundObject, objects_of, read_boxes
+from captioner.data.boxes import Boxes, objects_of, read_boxes
 from captioner.data.images import ImageError
 from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
 from captioner.decoding.metrics import attention_focus
-from captioner.decoding.references import reference_samples
+from captioner.decoding.references import forced_samples, reference_captions
 from captioner.decoding.scoring import score_captions
 from captioner.errors import CaptionerError
 
@@ -35,6 +35,8 @@ class Evaluation:
     grounding: attention grounding of the generated captions over the images that have boxes, else None.
     reference_grounding: the same, the model teacher-forced on the reference captions (the
         attention-correctness protocol: every model is scored on the same words), else None.
+    relevance: with `relevance=True`, the same two scores of the gradient relevance maps
+        (`relevance_maps`), under "generated" and "reference"; else empty.
     captions: the generated captions, in record order (unreadable images left out).
     references: image path -> its reference captions, for the captioned images.
     skipped: (path, reason) of the images that could not be read.
@@ -52,6 +54,7 @@ class Evaluation:
     diversity: dict[str, float] = dataclasses.field(default_factory=dict)
     focus: dict[str, float] = dataclasses.field(default_factory=dict)
     reference_grounding: GroundingResult | None = None
+    relevance: dict[str, GroundingResult] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,16 +66,14 @@ class Evaluation:
             "focus": self.focus,
             "grounding": None if self.grounding is None else self.grounding.to_json(),
             "reference_grounding": None if self.reference_grounding is None else self.reference_grounding.to_json(),
+            "relevance": {k: g.to_json() for k, g in self.relevance.items()} or None,
             "captions": [{**c.to_json(attention=False), "references": self.references[c.path]} for c in self.captions],
         }
 
 
-Boxes = dict[str, list[GroundObject]]  # photo file name -> its boxed objects (`read_boxes`)
-
-
 def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size: int = 32,
                      meteor: bool | None = None, progress: Progress | None = None, boxes: Boxes | None = None,
-                     **decode_overrides: Any) -> Evaluation:
+                     relevance: bool = False, **decode_overrides: Any) -> Evaluation:
     """Caption the records' images and score the captions against their references.
 
     Args:
@@ -82,6 +83,7 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
         meteor: see `caption_metrics` (None = when Java is available).
         progress: optional wrapper around the (path, result) iterator and its length, e.g. a tqdm.
         boxes: objects by photo file name, for grounding; None = the records' own boxes (shapes).
+        relevance: also score the gradient relevance maps of the same words (torch decoder only).
         decode_overrides: DecodeConfig fields.
     Returns:
         An Evaluation; unreadable images are skipped and listed, not fatal.
@@ -101,10 +103,17 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
                 for c in captions if objects(by_path[c.path])]
     grounding = grounding_score(grounded) if grounded else None
     cfg = captioner.decode_config(**decode_overrides)
-    forced = list(reference_samples(captioner, records, objects, cfg.max_length)) if grounded else []
+    reference_words = reference_captions(cfg.max_length)
+    forced = list(forced_samples(captioner, records, objects, reference_words)) if grounded else []
+    relevant = {}
+    if relevance and grounded:
+        tokens = {c.path: c.tokens for c in captions}
+        generated = lambda record: [tokens[str(record.image)]] if str(record.image) in tokens else []  # noqa: E731
+        relevant = {"generated": grounding_score(forced_samples(captioner, records, objects, generated, "relevance")),
+                    "reference": grounding_score(forced_samples(captioner, records, objects, reference_words, "relevance"))}
     return Evaluation(scores.metrics, grounding, captions, references, skipped, cfg, scores.diversity,
                       attention_focus([m for c in captions for m in c.attention]),
-                      grounding_score(forced) if forced else None)
+                      grounding_score(forced) if forced else None, relevant)
 
 
 def _objects(boxes: Boxes | None):
@@ -117,7 +126,7 @@ def _objects(boxes: Boxes | None):
 def evaluate_split(captioner: Captioner, data_cfg: DataConfig, split: str = "test", data: str | None = None,
                    image_root: str | Path | None = None, limit: int | None = None, batch_size: int = 32,
                    meteor: bool | None = None, progress: Progress | None = None, boxes: Boxes | None = None,
-                   **decode_overrides: Any) -> tuple[Evaluation, str]:
+                   relevance: bool = False, **decode_overrides: Any) -> tuple[Evaluation, str]:
     """Score `captioner` on `split` of the data set `data_cfg` describes (or of `data`, read with those
     settings), for any runtime: `captioner.recipes.evaluate.evaluate_checkpoint` runs it on a checkpoint."""
     if split not in SPLITS:
@@ -128,5 +137,5 @@ def evaluate_split(captioner: Captioner, data_cfg: DataConfig, split: str = "tes
     if not chosen:
         counts = ", ".join(f"{s} {sum(r.split == s for r in records)}" for s in SPLITS)
         raise CaptionerError(f"{data_cfg.path}: no images in split '{split}' ({counts}); choose another with --split")
-    result = evaluate_records(captioner, chosen, batch_size, meteor, progress, boxes, **decode_overrides)
+    result = evaluate_records(captioner, chosen, batch_size, meteor, progress, boxes, relevance, **decode_overrides)
     return result, str(data_cfg.path)

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from captioner.config import Config, ConfigError, DataConfig
+from captioner.data.boxes import Boxes, read_boxes
 from captioner.data.cache import cache_dir_of
 from captioner.data.cache_build import build_cache
 from captioner.data.datasets import CaptionDataset, ImageDataset
@@ -37,6 +38,7 @@ from captioner.model.checkpoint import Checkpoint, load_checkpoint, restore_mode
 from captioner.model.encoder import Encoder
 from captioner.device import autocast_dtype
 from captioner.training.distributed import DistInfo, all_gather_objects, main_first
+from captioner.training.boxes import BoxTargets
 from captioner.training.loss import build_criterion
 from captioner.training.objective import CrossEntropy, Objective
 from captioner.training.scst import SelfCritical
@@ -134,6 +136,22 @@ def load_splits(cfg: Config) -> Splits:
     return Splits(splits["train"], val, {name: len(recs) for name, recs in splits.items()})
 
 
+def load_boxes(cfg: Config, train: list[Record]) -> Boxes | None:
+    """The object boxes of box supervision (`train.box_weight`): `data.boxes` read (a bad file fails
+    here, before any work) and matched to the training photos by file name; None = the records' own
+    (the built-in shapes). Refused when no training photo has any."""
+    boxes = read_boxes(cfg.data.boxes) if cfg.data.boxes else None
+    if not cfg.train.box_weight:
+        return boxes
+    boxed = sum(bool(boxes.get(Path(r.image).name) if boxes is not None else r.boxes) for r in train)
+    if not boxed:
+        where = f"data.boxes ({cfg.data.boxes}) names none of the {len(train):,} training photos" if boxes is not None \
+            else f"{cfg.data.path} has no boxes of its own: set data.boxes to a box file of its training photos"
+        raise ConfigError(f"config key 'train.box_weight': {where}")
+    log.info("box supervision: %d of %d training photos have boxed objects", boxed, len(train))
+    return boxes
+
+
 def build_vocab(cfg: Config, train_records: list[Record], init: Checkpoint | None,
                 resume: Checkpoint | None) -> Vocabulary:
     """The run's words: those of the checkpoint it starts from (`train.init`) or continues (refused when
@@ -205,19 +223,23 @@ def _ddp(net: nn.Module, device: torch.device, dist: DistInfo) -> nn.Module:
 
 
 def build_objective(cfg: Config, model: CaptionModel, data: Data, vocab: Vocabulary, init: Checkpoint | None,
-                    device: torch.device, dist: DistInfo,
-                    amp_dtype: torch.dtype | None) -> tuple[Objective, Dataset, EpochBatchSampler]:
+                    device: torch.device, dist: DistInfo, amp_dtype: torch.dtype | None,
+                    boxes: Boxes | None = None) -> tuple[Objective, Dataset, EpochBatchSampler]:
     """The objective `train.objective` names, what its batches are made of and their order.
 
     Cross-entropy batches `train.batch_size` captions (an image's together with `train.group_by_image`)
     and runs the decoder on cached grids, else the whole model. Self-critical training batches images,
     each sampled `train.scst_samples` times (about `batch_size` captions a step), and runs the decoder;
-    with `train.scst_kl_weight` it keeps the decoder of `init` (else of `train.init`) frozen beside it."""
+    with `train.scst_kl_weight` it keeps the decoder of `init` (else of `train.init`) frozen beside it.
+    With `train.box_weight`, cross-entropy also pulls object words' maps into their boxes (`boxes`,
+    from `load_boxes`)."""
     tc = cfg.train
     if tc.objective == "xent":
         net = _ddp(model.decoder if data.cached else model, device, dist)
         criterion = build_criterion(tc, vocab, cfg.model.encoder.name)
-        objective = CrossEntropy(net, tc, criterion, device, amp_dtype)
+        targets = BoxTargets.for_records(data.captions.records, boxes, vocab, model.encoder.grid,
+                                         model.encoder.cells) if tc.box_weight else None
+        objective = CrossEntropy(net, tc, criterion, device, amp_dtype, targets)
         sampler = EpochBatchSampler(len(data.captions), tc.batch_size, tc.seed, dist.rank, dist.world_size,
                                     groups=data.captions.image_of if tc.group_by_image else None)
         return objective, data.train_set, sampler

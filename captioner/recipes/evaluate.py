@@ -19,7 +19,7 @@ from captioner.model.checkpoint import load_checkpoint
 def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: str = "test", data: str | None = None,
                         image_root: str | Path | None = None, limit: int | None = None,
                         device: str | torch.device = "auto", batch_size: int = 32, meteor: bool | None = None,
-                        progress: Progress | None = None, boxes: Boxes | None = None,
+                        progress: Progress | None = None, boxes: Boxes | None = None, relevance: bool = False,
                         **decode_overrides: Any) -> tuple[Evaluation, str]:
     """Score a checkpoint on a split of its own data set (or of `data`, read with the checkpoint's
     data settings). Returns the Evaluation and the data path used.
@@ -30,7 +30,7 @@ def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: st
         data: another data set (folder, caption file, or "shapes") instead of the checkpoint's.
         image_root: where the images are, when not next to the caption file.
         limit: score only the first `limit` images of the split.
-        device, batch_size, meteor, progress, boxes, decode_overrides: see `evaluate_records`.
+        device, batch_size, meteor, progress, boxes, relevance, decode_overrides: see `evaluate_records`.
     Raises:
         CaptionerError: a bad file, an empty split.
     """
@@ -43,4 +43,4 @@ def evaluate_checkpoint(checkpoint: str | Path | Sequence[str | Path], split: st
     captioner = Captioner.from_checkpoint(ckpts if len(ckpts) > 1 else ckpt, device)
     del ckpt, ckpts  # the optimiser state, if any, is not needed
     return evaluate_split(captioner, data_cfg, split, data, image_root, limit, batch_size, meteor, progress, boxes,
-                          **decode_overrides)
+                          relevance, **decode_overrides)

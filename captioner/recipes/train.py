@@ -33,6 +33,7 @@ from captioner.recipes.build import (
     build_vocab,
     check_machine,
     check_run_folder,
+    load_boxes,
     load_splits,
 )
 from captioner.device import resolve_device, seed_everything
@@ -82,12 +83,14 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
     encoder = build_encoder(cfg.model.encoder) if resume is None and init is None else None  # weights before data
 
     splits = load_splits(cfg)
+    boxes = load_boxes(cfg, splits.train)
     vocab = build_vocab(cfg, splits.train, init, resume)
     model = build_run_model(cfg, vocab, encoder, init, resume)
     data = build_data(cfg, splits, vocab, model.encoder, device, dist)
     model.to(device)
     optimizer = build_optimizer(model, tc)
-    objective, train_set, sampler = build_objective(cfg, model, data, vocab, init, device, dist, amp_dtype)
+    objective, train_set, sampler = build_objective(cfg, model, data, vocab, init, device, dist, amp_dtype,
+                                                       boxes)
     scheduler = build_scheduler(optimizer, tc, tc.epochs * steps_per_epoch(sampler.n, sampler.batch_size,
                                                                             dist.world_size))
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)

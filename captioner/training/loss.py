@@ -17,6 +17,7 @@ from torch import Tensor
 from captioner.config import TrainConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
+from captioner.training.boxes import box_attention
 from captioner.training.teachers import ImageNetTeacher, Teacher, concept_slots, content_words, detector_teacher
 
 
@@ -26,9 +27,10 @@ class LossOutput(NamedTuple):
     coverage: Tensor  # scalar: mean over captions and regions of (1 - sum_t alpha)^2 (0 when its weight is 0)
     entropy: Tensor  # scalar: mean entropy (nats) of a real token's attention map (0 when its weight is 0)
     reward: Tensor  # scalar: mean CIDEr-D reward of the sampled captions (self-critical training; else 0)
+    box: Tensor  # scalar: mean -log mass of a boxed object's word map on its cells (0 without box supervision)
 
 
-Criterion = Callable[[DecoderOutput, Tensor], LossOutput]  # (packed output, (B, T + 1) tokens) -> loss
+Criterion = Callable[..., LossOutput]  # (packed output, (B, T + 1) tokens, box_cells=(B, T, L) | None) -> loss
 
 
 def caption_loss(
@@ -40,6 +42,8 @@ def caption_loss(
     concept_weight: float = 0.0,
     teacher: Teacher | None = None,
     slots: Tensor | None = None,
+    box_cells: Tensor | None = None,
+    box_weight: float = 0.0,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -58,11 +62,13 @@ def caption_loss(
         teacher: where each word is (captioner.training.teachers); None = the decoder's detector,
             for every word but the special ids.
         slots: (V,) the detector output of each word (`concept_slots`); None = its own.
+        box_cells: (B, T, L) bool, the cells of the boxed object each position's word names
+            (`BoxTargets.cells`); with `box_weight`, those words' maps are pulled into them.
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
     zero = xent.new_zeros(())
-    coverage = entropy = zero
+    coverage = entropy = box = zero
     if coverage_weight:
         B, L = tokens.size(0), out.alphas.size(-1)
         looked = torch.zeros(B, L, device=tokens.device).index_add_(0, out.caption, out.alphas.float())  # (B, L)
@@ -77,7 +83,10 @@ def caption_loss(
     if concept_weight:
         teach = teacher or detector_teacher(torch.arange(out.logits.size(-1)) >= 4)
         total = total + concept_weight * concept_attention(out, targets, teach)
-    return LossOutput(total, xent, coverage, entropy, zero)
+    if box_weight and box_cells is not None:
+        box = box_attention(out, box_cells)
+        total = total + box_weight * box
+    return LossOutput(total, xent, coverage, entropy, zero, box)
 
 
 def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Tensor | None = None) -> Tensor:
@@ -134,9 +143,9 @@ def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | Non
 
 def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None) -> Criterion:
     """`caption_loss` with the config's weights and teacher (`build_teacher`): (packed decoder output,
-    tokens) -> LossOutput."""
+    tokens, box_cells=None) -> LossOutput."""
     slots = concept_slots(vocab, cfg.concept_groups) if vocab is not None else None
     teacher = build_teacher(cfg, vocab, encoder, slots)
     return functools.partial(caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
                              label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher,
-                             slots=slots)
+                             slots=slots, box_weight=cfg.box_weight)

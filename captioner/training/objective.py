@@ -18,6 +18,7 @@ from torch import nn
 from captioner.config import TrainConfig
 from captioner.data.datasets import Batch
 from captioner.data.datasets import collate as collate_captions
+from captioner.training.boxes import BoxTargets
 from captioner.training.loss import Criterion, LossOutput
 
 
@@ -55,10 +56,11 @@ def sampling_probability(final: float, epoch: int, epochs: int) -> float:
 
 
 def logged_terms(means: Mapping[str, float], cfg: TrainConfig) -> dict[str, float]:
-    """`loss` and `xent` always; `coverage` and `entropy` when their weights are set."""
+    """`loss` and `xent` always; `coverage`, `entropy` and `box` when their weights are set."""
     return {"loss": means["total"], "xent": means["xent"],
             **({"coverage": means["coverage"]} if cfg.coverage_weight else {}),
-            **({"entropy": means["entropy"]} if cfg.entropy_weight else {})}
+            **({"entropy": means["entropy"]} if cfg.entropy_weight else {}),
+            **({"box": means["box"]} if cfg.box_weight else {})}
 
 
 class CrossEntropy:
@@ -71,13 +73,15 @@ class CrossEntropy:
         cfg: the run's training settings: scheduled sampling, epochs, which terms are logged.
         criterion: the loss of a packed pass (`build_criterion`).
         device, amp_dtype: where the steps run, and under which autocast dtype (None: float32).
+        boxes: the training photos' boxed objects, for `train.box_weight` (None: no box term).
     """
 
     collate = staticmethod(collate_captions)  # captions padded, each distinct image once
 
     def __init__(self, net: nn.Module, cfg: TrainConfig, criterion: Criterion, device: torch.device,
-                 amp_dtype: torch.dtype | None = None) -> None:
+                 amp_dtype: torch.dtype | None = None, boxes: BoxTargets | None = None) -> None:
         self.net, self.cfg, self.criterion, self.device, self.amp_dtype = net, cfg, criterion, device, amp_dtype
+        self.boxes = boxes
         self.sampling_prob = 0.0
 
     def set_epoch(self, epoch: int) -> None:
@@ -89,9 +93,10 @@ class CrossEntropy:
         tokens = batch.tokens.to(device, non_blocking=True)  # (B, T + 1)
         lengths = batch.lengths.to(device, non_blocking=True)  # (B,)
         rows = batch.rows.to(device, non_blocking=True)  # (B,) each caption's image
+        cells = None if self.boxes is None else self.boxes.cells(batch.tokens, batch.image_ids)  # (B, T, L) bool
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             out = self.net(inputs, tokens, lengths, rows, sampling_prob=self.sampling_prob)  # packed: (P, V), (P, L)
-            loss = self.criterion(out, tokens)
+            loss = self.criterion(out, tokens, box_cells=cells)
         return BatchLoss(loss, len(batch.lengths), int(batch.lengths.sum()))
 
     def log(self, means: Mapping[str, float], seconds: float) -> dict[str, float]:
