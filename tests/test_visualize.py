@@ -4,7 +4,7 @@ import pytest
 
 from captioner.decoding.captioner import Caption
 from captioner.model.encoder import Cells
-from captioner.pictures.figures import grid_shape, plot_attention
+from captioner.pictures.figures import attention_figure, grid_shape, plot_attention
 from captioner.pictures.overlay import heat, render_attention, upsample, word_focus
 
 
@@ -125,6 +125,12 @@ def test_boxes_are_outlined_green_for_a_hit_and_red_for_a_miss(tmp_path):
     assert edge["word0 (hit)"] == [(0.0, 1.0, 0.0)] and edge["word1 (miss)"] == [(1.0, 0.0, 0.0)]
 
 
+def test_relevance_maps_are_drawn_under_their_own_name():
+    headings = lambda fig: " ".join(" ".join(t.get_text().split()) for t in fig.texts)  # noqa: E731
+    assert "gradient relevance" in headings(attention_figure(_photo(), _caption(3), relevance=True))
+    assert "relevance" not in headings(attention_figure(_photo(), _caption(3)))
+
+
 def test_cli_visualize_with_boxes(tmp_path, capsys):
     import json
 
@@ -150,6 +156,12 @@ def test_cli_visualize_with_boxes(tmp_path, capsys):
     code = main(["visualize", str(photo), "--checkpoint", str(ckpt), "--boxes", str(boxes), "-o", str(out),
                  "--text", "a dog", "--device", "cpu"])
     assert code == 0 and PIL.Image.open(out).size[0] > 100
+    code = main(["visualize", str(photo), "--checkpoint", str(ckpt), "-o", str(tmp_path / "r.png"), "--relevance",
+                 "--device", "cpu"])
+    assert code == 0 and PIL.Image.open(tmp_path / "r.png").size[0] > 100
+    code = main(["visualize", str(photo), "--checkpoint", str(ckpt), "-o", str(tmp_path / "r.png"), "--relevance",
+                 "--runtime", "onnx"])
+    assert code != 0 and "use --runtime torch" in capsys.readouterr().err
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"image": "cat.png", "objects": []}))
     code = main(["visualize", str(photo), "--checkpoint", str(ckpt), "--boxes", str(other), "-o", str(out),

@@ -23,6 +23,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--boxes", metavar="FILE",
                    help="object boxes (JSON lines or COCO instances, as `evaluate --boxes`): outline the boxes of "
                         "each word that names one, green when its map's peak is inside, red when not")
+    p.add_argument("--relevance", action="store_true",
+                   help="draw each word's gradient relevance (where its evidence is, Grad-CAM style: gradient x "
+                        "feature per region) instead of the attention; needs --runtime torch")
     p.add_argument("--opacity", "--alpha", type=float, default=0.6, dest="opacity",
                    help="opacity of the attention colours, 0..1 (default 0.6; --alpha is its old name)")
     p.set_defaults(func=run)
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         writable_dir(args.per_word, "folder for the per-word pictures")
     if not 0 <= args.opacity <= 1:
         raise CaptionerError(f"--opacity must be in [0, 1], got {args.opacity}")
+    if args.relevance and args.runtime == "onnx":
+        raise CaptionerError("--relevance needs the decoder's gradients: use --runtime torch")
     objects = None
     if args.boxes:
         from pathlib import Path
@@ -53,8 +58,12 @@ def run(args: argparse.Namespace) -> int:
     captioner = load_captioner(args)
     (caption,) = captioner.caption([image], text=args.text, **settings)
     caption.path = args.image
+    if args.relevance:
+        from captioner.decoding.relevance import with_relevance
+
+        caption = with_relevance(captioner, image, caption)
     out = plot_attention(image, caption, args.out, per_word_dir=args.per_word, gif_path=args.gif,
-                         opacity=args.opacity, objects=objects)
+                         opacity=args.opacity, objects=objects, relevance=args.relevance)
     print(f"{args.image}\t{caption.text}" + (f"\t{word_logprobs(caption)}" if args.text is not None else ""))
     print(f"wrote {out}")
     if args.per_word:

@@ -11,9 +11,14 @@ Shapes: N images, B captions, T words (+ <end>), L = H'·W' regions, D encoder w
 """
 from __future__ import annotations
 
+import dataclasses
+
+import PIL.Image
 import torch
 from torch import Tensor
 
+from captioner.decoding.caption import Caption
+from captioner.decoding.captioner import Captioner
 from captioner.model.decoder import AttentionDecoder
 
 
@@ -56,3 +61,15 @@ def relevance_maps(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, 
     relevance = torch.where(total > 0, relevance / total.clamp_min(1e-30), even)
     live = torch.arange(steps, device=device)[None, :] < lengths[:, None]  # (B, T + 1)
     return torch.where(live[..., None], relevance, 0.0)
+
+
+def with_relevance(captioner: Captioner, image: PIL.Image.Image, caption: Caption) -> Caption:
+    """`caption` of `image` with its attention maps replaced by its words' relevance maps (T, H', W'),
+    the words teacher-forced on the image (the torch decoder only)."""
+    if not caption.tokens:
+        return caption
+    features = captioner.encode([image])  # (1, L, D)
+    ids = captioner.vocab.encode(caption.tokens)  # [<start>, w1..wn, <end>]
+    T, (H, W) = len(caption.tokens), captioner.grid
+    maps = relevance_maps(captioner.model.decoder, features, torch.tensor([ids]), torch.tensor([T + 1]))  # (1, T + 1, L)
+    return dataclasses.replace(caption, attention=maps[0, :T].reshape(T, H, W).cpu().numpy())

@@ -44,7 +44,7 @@ def grid_shape(n_panels: int) -> tuple[int, int]:
 
 def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *, per_word_dir: str | Path | None = None,
                    gif_path: str | Path | None = None, opacity: float = 0.6, cmap: str = "jet", dpi: int = DPI,
-                   frame_ms: int = 900, objects: list[GroundObject] | None = None) -> Path:
+                   frame_ms: int = 900, objects: list[GroundObject] | None = None, relevance: bool = False) -> Path:
     """Draw the photo, then one panel per word with its attention over the photo; save a PNG.
 
     Args:
@@ -59,10 +59,11 @@ def plot_attention(image: PIL.Image.Image, caption: Caption, path: str | Path, *
         frame_ms: how long each GIF frame shows.
         objects: the photo's boxed objects: a word naming one gets its boxes outlined on its panel,
             green when the map's peak falls in one (the pointing game's hit), red when not.
+        relevance: the caption's maps are gradient relevance (`with_relevance`), so labelled.
     Returns:
         The path of the grid PNG.
     """
-    fig = attention_figure(image, caption, opacity, cmap, dpi, objects)
+    fig = attention_figure(image, caption, opacity, cmap, dpi, objects, relevance)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "wb") as f:
@@ -101,10 +102,11 @@ def _draw_boxes(ax, found: tuple[Look, list], scale: float, cells_centre: tuple[
 
 
 def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 0.6, cmap: str = "jet",
-                     dpi: int = DPI, objects: list[GroundObject] | None = None):
+                     dpi: int = DPI, objects: list[GroundObject] | None = None, relevance: bool = False):
     """The figure `plot_attention` saves (a matplotlib Figure on the Agg canvas): the caption, the
     photo, one panel per word with its map and peak weight, and the colour scale they share; with
-    `objects`, each object word's boxes, green for a hit and red for a miss."""
+    `objects`, each object word's boxes, green for a hit and red for a miss. `relevance`: the maps
+    are gradient relevance, and the heading says so."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -119,6 +121,8 @@ def attention_figure(image: PIL.Image.Image, caption: Caption, opacity: float = 
     text = caption.text if caption.finished else caption.text + " ..."
     if caption.word_logprobs is not None:  # words given, not searched (`caption(text=)`); each word's log p on its panel
         text = f"given: {caption.text}   (log p {caption.logprob:.2f})"
+    if relevance:
+        text += "  [gradient relevance: where each word's evidence is, not the decoder's attention]"
     wrapped = textwrap.fill(text, width=max(28, int(cols * PANEL_INCHES * 8)))  # ~8 characters per inch at 13 pt
     header_in = 0.2 + 0.26 * (wrapped.count("\n") + 1)  # the caption over the whole grid
     scale_in = 0.75  # the colour scale under the panels
