@@ -87,8 +87,7 @@ def measure(size: int, work: Path, threads: int) -> dict[str, float]:
     data = work / f"coco-{size}"
     make_coco(data, size)
     env = {**os.environ, "CAPTIONER_CACHE": str(work / f"cache-{size}"), "OMP_NUM_THREADS": str(threads)}
-    prep_s, prep_rss = run_measured(["prepare", "--data", str(data), "--out", str(work / f"prep-{size}"),
-                                     "--device", "cpu", *SETTINGS], env)
+    prep_s, prep_rss = run_measured(["prepare", "--data", str(data), "--device", "cpu", *SETTINGS], env)
     shards = list((work / f"cache-{size}" / "features").glob("*/shard-*.f16"))
     cache_bytes = sum(p.stat().st_size for p in shards)
     train_s, train_rss = run_measured(["train", "--data", str(data), "--out", str(work / f"run-{size}"),

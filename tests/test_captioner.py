@@ -257,3 +257,13 @@ def test_cli_evaluate_refuses_a_bad_box_file_before_captioning(tmp_path, capsys,
     _, err = capsys.readouterr()
     assert code != 0 and "boxes.jsonl:1: a box must be" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command, takes", [("caption", True), ("evaluate", True), ("visualize", False),
+                                            ("serve", False)])
+def test_batch_size_is_an_option_only_where_many_images_are_captioned(command, takes, capsys):
+    from captioner.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[command]
+    assert any("--batch-size" in a.option_strings for a in sub._actions) == takes

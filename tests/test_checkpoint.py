@@ -14,7 +14,7 @@ from captioner.data.shapes import make_example
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
 from captioner.model import build_model
-from captioner.model.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from captioner.model.checkpoint import CheckpointError, load_checkpoint, restore_model, save_checkpoint
 from captioner.recipes.train import run_config, train
 
 V1 = Path(__file__).parent / "fixtures" / "v1"  # a last.pt written by captioner 0.1 (checkpoint version 1)
@@ -23,6 +23,12 @@ CFG = ModelConfig(
     decoder=DecoderConfig(embed_dim=8, hidden_dim=16, attention_dim=8, dropout=0.0),
 )
 VOCAB = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "a", "red", "circle"])
+
+
+def _restored(path):
+    """The checkpoint's model in eval mode, and the checkpoint."""
+    ckpt = load_checkpoint(path)
+    return restore_model(ckpt, path).eval(), ckpt
 
 
 def _saved(tmp_path):
@@ -36,7 +42,7 @@ def test_round_trip_gives_identical_outputs(tmp_path):
     model, path = _saved(tmp_path)
     images = torch.rand(2, 3, 64, 64)
     tokens = torch.tensor([[1, 4, 5, 6, 2], [1, 5, 2, 0, 0]])
-    loaded, ckpt = load_model(path)
+    loaded, ckpt = _restored(path)
     assert ckpt.model_config == CFG and ckpt.vocab == VOCAB and ckpt.meta == {"note": "x"}
     assert ckpt.config.decode.beam_size == 2
     with torch.no_grad():
@@ -86,7 +92,7 @@ def test_checkpoint_that_does_not_fit_the_code(tmp_path):
     payload["model"]["decoder.readout.weight"] = torch.zeros(3, 3)  # wrong shape
     torch.save(payload, tmp_path / "mismatch.pt")
     with pytest.raises(CheckpointError) as e:
-        load_model(tmp_path / "mismatch.pt")
+        _restored(tmp_path / "mismatch.pt")
     _one_line(e, "mismatch.pt", "readout")
 
 

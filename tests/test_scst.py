@@ -12,7 +12,7 @@ from captioner.data.sources import load_records
 from captioner.data.vocab import tokenize
 from captioner.decoding.cider import CiderD
 from captioner.decoding.sampling import sample
-from captioner.model.checkpoint import load_checkpoint, load_model
+from captioner.model.checkpoint import load_checkpoint, restore_model
 from captioner.recipes.train import run_config, train
 
 TINY = """\
@@ -24,6 +24,12 @@ train: {epochs: 4, batch_size: 20, lr: 0.005, patience: 0, amp: "off"}
 decode: {beam_size: 2, max_length: 12}
 """
 SCST = ["train.objective=scst", "train.epochs=4", "train.lr=3e-3", "train.schedule=constant"]
+
+
+def _restored(path):
+    """The checkpoint's model in eval mode, and the checkpoint."""
+    ckpt = load_checkpoint(path)
+    return restore_model(ckpt, path).eval(), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +46,7 @@ def start(tmp_path_factory):
 
 def _mean_sample_reward(checkpoint, config) -> float:
     """Mean CIDEr-D of 5 captions sampled (seed fixed) per training image."""
-    model, ckpt = load_model(checkpoint)
+    model, ckpt = _restored(checkpoint)
     records = [r for r in load_records(load_config(config).data) if r.split == "train"]
     refs = [[tokenize(c) for c in r.captions] for r in records]
     transform = model.encoder.transform()
@@ -70,7 +76,7 @@ def test_the_sampled_log_probs_get_a_gradient_and_the_baseline_none(start):
     from captioner.data.datasets import ImageBatch
     from captioner.training.scst import SelfCritical
 
-    model, ckpt = load_model(ce)
+    model, ckpt = _restored(ce)
     cfg = run_config(config, [*SCST, f"train.init={ce}"])
     refs = [("a red circle", "there is a red circle"), ("a blue square and a green triangle",)]
     scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
@@ -128,7 +134,7 @@ def test_the_greedy_baseline_is_the_reward_of_the_images_greedy_caption(start):
     from captioner.decoding.search import decode
     from captioner.training.scst import SelfCritical
 
-    model, ckpt = load_model(ce)
+    model, ckpt = _restored(ce)
     cfg = run_config(config, [*SCST, f"train.init={ce}", "train.scst_baseline=greedy", "train.scst_samples=3"])
     refs = [("a red circle", "there is a red circle"), ("a blue square and a green triangle",)]
     scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
@@ -159,7 +165,7 @@ def test_the_cross_entropy_mix_adds_the_references_teacher_forced_cross_entropy(
     from captioner.training.loss import caption_loss
     from captioner.training.scst import SelfCritical
 
-    model, ckpt = load_model(ce)
+    model, ckpt = _restored(ce)
     v = ckpt.vocab
     refs = [("a red circle", "there is a red circle"), ("a blue square and a green triangle",)]
     images = torch.rand(2, 3, 64, 64)
@@ -206,8 +212,8 @@ def test_the_kl_term_is_zero_at_the_start_and_pulls_back_towards_it(start):
     from captioner.data.datasets import ImageBatch
     from captioner.training.scst import SelfCritical
 
-    model, ckpt = load_model(ce)
-    initial, _ = load_model(ce)
+    model, ckpt = _restored(ce)
+    initial, _ = _restored(ce)
     cfg = run_config(config, [*SCST, f"train.init={ce}", "train.scst_kl_weight=1.0"])
     refs = [("a red circle",), ("a blue square",)]
     scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False,

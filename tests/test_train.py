@@ -16,7 +16,7 @@ from captioner.cli import main
 from captioner.config import DecodeConfig
 from captioner.data.order import SeededItems, epoch_batches, steps_per_epoch
 from captioner.decoding.search import decode
-from captioner.model.checkpoint import load_checkpoint, load_model
+from captioner.model.checkpoint import load_checkpoint, restore_model
 from captioner.model.encoder import build_encoder
 from captioner.recipes.train import run_config, train
 from captioner.training.distributed import capture_rng, restore_rng
@@ -42,6 +42,12 @@ train:
   amp: "off"  # pinned: "auto" would test bf16 on CPUs that have it and float32 on the others
 decode: {beam_size: 2, max_length: 12}
 """
+
+
+def _restored(path):
+    """The checkpoint's model in eval mode, and the checkpoint."""
+    ckpt = load_checkpoint(path)
+    return restore_model(ckpt, path).eval(), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,7 @@ def test_short_run_lowers_the_loss_and_its_checkpoint_captions(tiny, tmp_path):
         assert key in lines[0]
     assert result.best is not None and result.best.is_file() and result.last.is_file()
 
-    model, ckpt = load_model(result.best)
+    model, ckpt = _restored(result.best)
     assert ckpt.train_state is None and ckpt.meta["best"]["metric"] == "CIDEr"
     last = load_checkpoint(result.last)
     assert last.train_state["position"]["epoch"] == 3 and last.config.train.epochs == 3
@@ -154,7 +160,7 @@ def test_kept_validations_average_into_a_checkpoint_that_captions(tiny, tmp_path
         if v.is_floating_point():
             torch.testing.assert_close(v, (first[k] + second[k]) / 2)
     assert not torch.equal(averaged["decoder.readout.bias"], first["decoder.readout.bias"])  # the runs' weights moved
-    model, ckpt = load_model(out)
+    model, ckpt = _restored(out)
     assert ckpt.meta["averaged"] == [str(p) for p in kept] and ckpt.vocab == load_checkpoint(kept[0]).vocab
     hyps = decode(model.decoder, model.encoder(torch.randn(2, 3, 64, 64)), DecodeConfig(beam_size=2, max_length=8),
                   ckpt.vocab)

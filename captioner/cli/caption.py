@@ -9,8 +9,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from captioner.cli.common import (add_decode_options, add_device, add_runtime, add_text, decode_overrides,
-                                  load_captioner, word_logprobs)
+from captioner.cli.common import (add_batch_size, add_decode_options, add_device, add_runtime, add_text,
+                                  decode_overrides, load_captioner, word_logprobs)
 from captioner.errors import CaptionerError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -21,6 +21,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     add_device(p)
     p.add_argument("images", nargs="+", metavar="IMG", help="image files, folders (their images) or glob patterns")
     add_decode_options(p, bundled=True)
+    add_batch_size(p)
     add_runtime(p)
     p.add_argument("--json", action="store_true",
                    help="JSON lines: path, caption, tokens, score, attention (per word, rows x cols, sums to 1), "

@@ -41,6 +41,10 @@ def add_decode_options(p: argparse.ArgumentParser, bundled: bool = False) -> Non
                    help="rank by logprob / length**EXPONENT (default: the checkpoint's)")
     p.add_argument("--no-repeat-ngram", type=int, metavar="N",
                    help="never repeat an N-gram (default: the checkpoint's; 0 = off)")
+
+
+def add_batch_size(p: argparse.ArgumentParser) -> None:
+    """--batch-size, for the commands that caption many images (checked by `decode_overrides`)."""
     p.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
 
 
@@ -53,7 +57,7 @@ def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     before the model loads."""
     from captioner.config import ConfigError, DecodeConfig
 
-    if args.batch_size < 1:
+    if getattr(args, "batch_size", 1) < 1:
         raise CaptionerError(f"--batch-size must be at least 1, got {args.batch_size}")
     given = {key: getattr(args, key) for key in DECODE_FLAGS}
     try:

@@ -6,6 +6,7 @@ import json
 import sys
 
 from captioner.cli.common import (
+    add_batch_size,
     add_decode_options,
     add_device,
     add_runtime,
@@ -22,6 +23,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, grounding)")
     add_device(p)
     add_decode_options(p)
+    add_batch_size(p)
     p.add_argument("--data", help="folder or caption file (layout detected), or 'shapes'; default: the checkpoint's")
     p.add_argument("--image-root", help="folder holding the images, when not next to the caption file")
     p.add_argument("--split", default="test", choices=("train", "val", "test"), help="split to score (default test)")

@@ -18,7 +18,7 @@ _PUBLIC = {  # name -> its module
     "Checkpoint": "captioner.model.checkpoint",
     "CheckpointError": "captioner.model.checkpoint",
     "load_checkpoint": "captioner.model.checkpoint",
-    "load_model": "captioner.model.checkpoint",
+    "restore_model": "captioner.model.checkpoint",
     "save_checkpoint": "captioner.model.checkpoint",
     "AttentionDecoder": "captioner.model.decoder",
     "DecoderOutput": "captioner.model.decoder",
@@ -27,7 +27,7 @@ _PUBLIC = {  # name -> its module
     "build_encoder": "captioner.model.encoder",
 }
 __all__ = ["AttentionDecoder", "CaptionModel", "Checkpoint", "CheckpointError", "DecoderOutput", "Encoder", "Memory",
-           "build_encoder", "build_model", "load_checkpoint", "load_model", "save_checkpoint"]
+           "build_encoder", "build_model", "load_checkpoint", "restore_model", "save_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:

@@ -182,13 +182,6 @@ def restore_model(ckpt: Checkpoint, path: str | Path = "checkpoint") -> CaptionM
     return model
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[CaptionModel, Checkpoint]:
-    """Load a checkpoint and return the model in eval mode on `device`, with the checkpoint."""
-    ckpt = load_checkpoint(path)
-    model = restore_model(ckpt, path).to(device).eval()
-    return model, ckpt
-
-
 def average_checkpoints(paths: list[str | Path]) -> Checkpoint:
     """The mean of several checkpoints' weights (say the last few validations of one run), with the
     first one's config, vocabulary and meta and no resume state. They must share the model config

@@ -1,4 +1,4 @@
-"""`captioner prepare`, the recipe: records -> vocabulary (train split) -> feature cache (all splits).
+"""`captioner prepare`, the recipe: records -> vocabulary size (train split) -> feature cache (all splits).
 
 `prepare(...)` does the work and returns a `PrepareSummary`; the CLI prints it.
 """
@@ -18,13 +18,9 @@ from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.deploy.encoder import cache_encoder
 from captioner.errors import CaptionerError
-from captioner.files import writable_dir
 from captioner.model.encoder import build_encoder
 
 log = logging.getLogger(__name__)
-
-VOCAB_FILE = "vocab.json"
-
 
 @dataclass
 class PrepareSummary:
@@ -32,8 +28,7 @@ class PrepareSummary:
     images: dict[str, int]  # usable images per split
     captions: dict[str, int]  # captions of usable images per split
     skipped: list[tuple[Path, str]]  # images that could not be used, with the reason
-    vocab_size: int
-    vocab_path: Path
+    vocab_size: int  # the words `captioner train` will count on the same settings
     cache_path: Path | None = None  # None when the cache is not used (fine-tuned encoder, use_cache off)
     cache_mb: float = 0.0
     built: int = 0  # images encoded now
@@ -41,22 +36,18 @@ class PrepareSummary:
     notes: list[str] = field(default_factory=list)
 
 
-def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, device: str | torch.device = "cpu",
+def prepare(data: DataConfig, encoder_cfg: EncoderConfig, device: str | torch.device = "cpu",
             image_root: str | Path | None = None, batch_size: int = 32, progress: bool = True) -> PrepareSummary:
-    """Load records, build the vocabulary from the train split (saved as `out_dir/vocab.json`) and,
-    with a frozen encoder and `data.use_cache`, the feature cache for every split (in
-    `data.cache_dir`, default `$CAPTIONER_CACHE/features`, where `captioner train` finds it). Raises
-    CaptionerError for bad input."""
-    out_dir = writable_dir(out_dir)
+    """Load records, count the vocabulary of the train split (as `captioner train` will) and, with a
+    frozen encoder and `data.use_cache`, fill the feature cache for every split (in `data.cache_dir`,
+    default `$CAPTIONER_CACHE/features`, where `captioner train` finds it). Raises CaptionerError for
+    bad input."""
     records = load_records(data, image_root)
     train_captions = [c for r in records if r.split == "train" for c in r.captions]
     if not train_captions:
         raise SourceError(f"{data.path}: no training captions (the train split is empty)")
     vocab = build_vocabulary(train_captions, data.min_word_count, data.max_length)
-    vocab_path = vocab.save(out_dir / VOCAB_FILE)
-
-    summary = PrepareSummary(data=str(data.path), images={}, captions={}, skipped=[], vocab_size=len(vocab),
-                             vocab_path=vocab_path)
+    summary = PrepareSummary(data=str(data.path), images={}, captions={}, skipped=[], vocab_size=len(vocab))
     usable = records
     if not data.use_cache:
         summary.notes.append("feature cache off (data.use_cache=false)")
@@ -80,5 +71,4 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, out_dir: str | Path, d
         recs = [r for r in usable if r.split == split]
         summary.images[split] = len(recs)
         summary.captions[split] = sum(len(r.captions) for r in recs)
-    log.info("vocabulary of %d words written to %s", len(vocab), vocab_path)
     return summary
