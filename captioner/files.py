@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,22 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     with atomic_open(path) as f:
         f.write(text)
     return Path(path)
+
+
+@contextlib.contextmanager
+def staged_files(folder: str | Path, last: str | None = None) -> Iterator[Path]:
+    """A hidden temporary folder beside `folder` to write a set of files into; when the block
+    succeeds they move into `folder` (replacing files of the same names; the one named `last` moved
+    after the others, say the manifest that says the rest is complete). On any failure nothing in
+    `folder` has changed. The temporary folder is removed either way."""
+    folder = Path(folder)
+    stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", suffix=".tmp", dir=folder.parent))
+    try:
+        yield stage
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == last):
+            os.replace(f, folder / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def remove_stale_temporaries(folder: str | Path, pattern: str = ".*.tmp") -> int:

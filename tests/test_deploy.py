@@ -249,6 +249,26 @@ def test_an_int8_export_quantizes_the_encoder_and_captions_with_it(exported, tmp
         assert c.attention.reshape(len(c.tokens), -1).sum(-1) == pytest.approx(np.ones(len(c.tokens)), abs=1e-4)
 
 
+def test_an_int8_encoder_too_far_from_float32_is_refused_and_the_folder_left_as_it_was(exported, tmp_path, capsys,
+                                                                                      monkeypatch):
+    import shutil
+
+    from captioner.deploy import quantize
+
+    monkeypatch.setattr(quantize, "INT8_TOLERANCE", 1e-9)  # any int8 grid differs by more than this
+    checkpoint, fp32 = exported
+    out = tmp_path / "model"
+    shutil.copytree(fp32.folder, out)  # a working export, to be replaced
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--quantize", "int8",
+                 "--calibration", *_photos(tmp_path / "calibration", 2)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "its int8 encoder differs from float32 by" in err
+    assert "export without --quantize" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing half-replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration", "model"]  # no staging folder left
+
+
 def test_int8_settings_are_checked_before_any_export(exported, tmp_path, capsys):
     checkpoint, _ = exported
     out = tmp_path / "out"

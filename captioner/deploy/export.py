@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, FormatError, require_onnx
 from captioner.deploy.quantize import calibration_pixels, quantize_encoder
 from captioner.deploy.step import InferenceMemory, InferenceStep
-from captioner.files import atomic_write_text, writable_dir
+from captioner.files import atomic_write_text, staged_files, writable_dir
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import load_checkpoint, restore_model
 from captioner.model.decoder import AttentionDecoder, Memory
@@ -182,26 +182,29 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
         "step": (InferenceStep(dec, tables=not small), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
                  ["logits", "alpha", "new_state"])}
     traced, checks = examples(2), [examples(1), examples(5)]
-    files, differences = [], {}
-    for name, (module, reference, inputs, outputs) in graphs.items():
-        path = out / f"{name}.onnx"
-        log.info("exporting %s", path)
-        export_graph(module, traced[name], inputs, outputs, path)
-        if small and name != "encoder":
-            store_half(path)
-        differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
-        if differences[name] > TOLERANCE:
-            raise FormatError(f"{path}: differs from torch by {differences[name]:.2e} (more than {TOLERANCE:g})")
-        files.append(path)
-    precision: dict[str, Any] = {"precision": "float32", "decoder_weights": "float16" if small else "float32"}
-    int8_difference = None
-    if calibration is not None:
-        log.info("quantizing the encoder to int8 on %d photos", len(calibration))
-        partial = out / ".encoder-int8.onnx"
-        int8_difference = quantize_encoder(out / "encoder.onnx", partial, calibration)
-        partial.replace(out / "encoder.onnx")
-        precision.update(precision="int8", calibration={"images": len(calibration),
-                                                        "relative_difference": round(int8_difference, 4)})
-    text = json.dumps(manifest(ckpt, model, str(checkpoint), precision), indent=1)
-    files.append(atomic_write_text(out / MANIFEST, text))
+    differences: dict[str, float] = {}
+    with staged_files(out, last=MANIFEST) as stage:  # a refused export leaves `out` as it was
+        for name, (module, reference, inputs, outputs) in graphs.items():
+            path = stage / f"{name}.onnx"
+            log.info("exporting %s", out / path.name)
+            export_graph(module, traced[name], inputs, outputs, path)
+            if small and name != "encoder":
+                store_half(path)
+            differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
+            if differences[name] > TOLERANCE:
+                raise FormatError(f"{out / path.name}: differs from torch by {differences[name]:.2e} (more than "
+                                  f"{TOLERANCE:g})")
+        precision: dict[str, Any] = {"precision": "float32", "decoder_weights": "float16" if small else "float32"}
+        int8_difference = None
+        if calibration is not None:
+            log.info("quantizing the encoder to int8 on %d photos", len(calibration))
+            try:
+                int8_difference = quantize_encoder(stage / "encoder.onnx", stage / "encoder-int8.onnx", calibration)
+            except FormatError as e:
+                raise FormatError(f"{checkpoint}: {e}") from None
+            (stage / "encoder-int8.onnx").replace(stage / "encoder.onnx")
+            precision.update(precision="int8", calibration={"images": len(calibration),
+                                                            "relative_difference": round(int8_difference, 4)})
+        atomic_write_text(stage / MANIFEST, json.dumps(manifest(ckpt, model, str(checkpoint), precision), indent=1))
+    files = [out / f"{name}.onnx" for name in graphs] + [out / MANIFEST]
     return ExportReport(out, files, differences, int8_difference)

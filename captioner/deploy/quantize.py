@@ -81,7 +81,7 @@ def quantize_encoder(fp32: Path, out: Path, pixels: np.ndarray) -> float:
     difference = relative_difference(fp32, out, pixels)
     if difference > INT8_TOLERANCE:
         out.unlink(missing_ok=True)
-        raise FormatError(f"{fp32}: its int8 version differs from float32 by {difference:.0%} on the calibration "
+        raise FormatError(f"its int8 encoder differs from float32 by {difference:.0%} on the calibration "
                           f"photos (more than {INT8_TOLERANCE:.0%}); export without --quantize")
     return difference
 
