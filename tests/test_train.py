@@ -309,3 +309,28 @@ def test_meter_round_trips_and_reads_the_lists_older_checkpoints_hold():
     empty = Meter()
     empty.load(Meter().totals())
     assert empty.sums is None and empty.totals() == Meter().totals()
+
+
+def test_every_metrics_line_reaches_tensorboard_when_it_is_installed(tiny, tmp_path, monkeypatch):
+    """tensorboard is optional (not a dependency): the writer the run opens in RUN/tb gets each line's
+    scalars at its step, and is closed at the end. A recording writer stands in for SummaryWriter."""
+    from captioner.training import state
+
+    class Recorder:
+        def __init__(self, folder):
+            self.folder, self.scalars, self.closed = folder, [], False
+
+        def add_scalar(self, name, value, step):
+            self.scalars.append((name, value, step))
+
+        def close(self):
+            self.closed = True
+
+    writers = []
+    monkeypatch.setattr(state, "_summary_writer", lambda out_dir: writers.append(Recorder(out_dir / "tb")) or writers[-1])
+    train(run_config(tiny, ["train.epochs=1"]), tmp_path / "run", "cpu")
+    (writer,) = writers
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    expected = [(k, v, ln["step"]) for ln in lines for k, v in ln.items() if k not in ("epoch", "step")]
+    assert writer.folder == tmp_path / "run" / "tb" and writer.scalars == expected and writer.closed
+    assert any(name == "val_CIDEr" for name, _, _ in writer.scalars)
