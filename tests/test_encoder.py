@@ -16,7 +16,8 @@ from torchvision.ops.misc import SqueezeExcitation
 
 from captioner.config import ConfigError, EncoderConfig
 from captioner.config.schema import EncoderName
-from captioner.model.backbones import EncoderError, available_encoders, efficientnet_lite_state_dict
+from captioner.model.backbones import available_encoders
+from captioner.model.weights import EncoderError, efficientnet_lite_state_dict
 from captioner.model.encoder import build_encoder
 
 FLICKR = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"

@@ -15,11 +15,8 @@ Shapes: B batch, L = H'·W' regions, D feature width, T words.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +26,7 @@ import torch
 
 from captioner.config import DecodeConfig
 from captioner.data.images import ImageError, full_size, load_image, prepare_image
+from captioner.data.read_ahead import read_ahead
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.caption import Caption
 from captioner.decoding.ensemble import EnsembleDecoder
@@ -47,16 +45,6 @@ ImageInput = PIL.Image.Image | str | Path
 # thread, 64 flickr8k-800 photos: 1.01-1.16x faster with one loader than with two, median 1.06x);
 # a GPU model is fast enough to need several.
 LOADER_THREADS = {"cpu": 1, "accelerator": 4}
-
-
-def _done(fn: Any, *args: Any) -> Future:
-    """`fn(*args)` run here, as a finished Future (its exception kept, as a pool's would be)."""
-    future: Future = Future()
-    try:
-        future.set_result(fn(*args))
-    except Exception as e:
-        future.set_exception(e)
-    return future
 
 
 class _Loaded(NamedTuple):
@@ -217,32 +205,8 @@ class Captioner:
         return _Loaded(self.preprocess(rgb), full_size(rgb), path)
 
     def _read_ahead(self, images: Iterable[ImageInput], ahead: int) -> Iterator[tuple[ImageInput, _Loaded | ImageError]]:
-        """`_read` of each image on the loader threads, at most `ahead` images in advance, in order:
-        decoding the next images overlaps with captioning these (Pillow and torch release the GIL)."""
-
-        def result(future: Future) -> _Loaded | ImageError:
-            try:
-                return future.result()
-            except ImageError as e:
-                return e
-
-        items = iter(images)
-        first = next(items, None)
-        second = next(items, None)
-        if first is not None and second is None:  # one image: read it here, no threads to start
-            yield first, result(_done(self._read, first))
-            return
-        threads = LOADER_THREADS["cpu" if self.device.type == "cpu" else "accelerator"]
-        with ThreadPoolExecutor(threads, thread_name_prefix="captioner-load") as pool:
-            pending: deque[tuple[ImageInput, Future]] = deque()
-            for image in itertools.chain([first, second], items) if first is not None else ():
-                pending.append((image, pool.submit(self._read, image)))
-                if len(pending) > ahead:
-                    head, future = pending.popleft()
-                    yield head, result(future)
-            while pending:
-                head, future = pending.popleft()
-                yield head, result(future)
+        """`_read` of each image on the loader threads, at most `ahead` images in advance, in order."""
+        return read_ahead(self._read, images, ahead, LOADER_THREADS["cpu" if self.device.type == "cpu" else "accelerator"])
 
     def preprocess(self, image: PIL.Image.Image) -> torch.Tensor:
         """An RGB image -> (3, S, S) normalised pixels on the CPU, the encoder's eval preprocessing

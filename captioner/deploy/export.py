@@ -146,6 +146,24 @@ def store_half(path: Path, min_size: int = 1024) -> None:
     onnx.save(model, str(path))
 
 
+def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], stage: Path, out: Path,
+                   small: bool) -> dict[str, float]:
+    """Export each graph into `stage` and check it against torch on `checks`; returns each one's
+    largest difference. FormatError (naming the file in `out`) above TOLERANCE."""
+    differences = {}
+    for name, (module, reference, inputs, outputs) in graphs.items():
+        path = stage / f"{name}.onnx"
+        log.info("exporting %s", out / path.name)
+        export_graph(module, traced[name], inputs, outputs, path)
+        if small and name != "encoder":
+            store_half(path)
+        differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
+        if differences[name] > TOLERANCE:
+            raise FormatError(f"{out / path.name}: differs from torch by {differences[name]:.2e} (more than "
+                              f"{TOLERANCE:g})")
+    return differences
+
+
 def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
                 int8_calibration: Sequence[str] | None = None, small: bool = False) -> ExportReport:
     """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. With
@@ -182,18 +200,8 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
         "step": (InferenceStep(dec, tables=not small), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
                  ["logits", "alpha", "new_state"])}
     traced, checks = examples(2), [examples(1), examples(5)]
-    differences: dict[str, float] = {}
     with staged_files(out, last=MANIFEST) as stage:  # a refused export leaves `out` as it was
-        for name, (module, reference, inputs, outputs) in graphs.items():
-            path = stage / f"{name}.onnx"
-            log.info("exporting %s", out / path.name)
-            export_graph(module, traced[name], inputs, outputs, path)
-            if small and name != "encoder":
-                store_half(path)
-            differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
-            if differences[name] > TOLERANCE:
-                raise FormatError(f"{out / path.name}: differs from torch by {differences[name]:.2e} (more than "
-                                  f"{TOLERANCE:g})")
+        differences = _export_graphs(graphs, traced, checks, stage, out, small)
         precision: dict[str, Any] = {"precision": "float32", "decoder_weights": "float16" if small else "float32"}
         int8_difference = None
         if calibration is not None:

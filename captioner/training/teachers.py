@@ -74,7 +74,7 @@ class ImageNetTeacher:
 
     @classmethod
     def for_encoder(cls, name: str, vocab: Vocabulary) -> ImageNetTeacher:
-        from captioner.model.backbones import LITE_NAMES, efficientnet_lite_state_dict
+        from captioner.model.weights import LITE_NAMES, efficientnet_lite_state_dict
 
         if name not in LITE_NAMES:
             raise ConfigError(f"config key 'train.concept_teacher': 'imagenet' needs the classifier of an "
