@@ -113,7 +113,10 @@ def test_the_docs_show_the_caption_schema(client):
     assert [p["name"] for p in parameters][:3] == ["beam", "max_length", "alternatives"]
     assert spec["paths"]["/api/model"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ModelInfo"}
-    assert "swagger-ui" in client.get("/docs").text
+    docs = client.get("/docs").text  # Swagger UI from files the package ships: it works offline
+    assert "swagger-ui" in docs and "cdn." not in docs
+    script = docs.split('src="')[1].split('"')[0]
+    assert script.endswith("swagger-ui-bundle.js") and client.get(script).status_code == 200
 
 
 def test_examples_suit_the_model(checkpoint, captioner, tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from captioner.decoding.captioner import Captioner
 from captioner.serve import api, info, page
@@ -44,8 +45,9 @@ def create_app(captioner: Captioner, checkpoint: str = "", limits: Limits = Limi
             finally:
                 app.state.captioner = app.state.batcher = None
 
-    app = FastAPI(title="captioner", summary="Captions, and where the model looked for every word.",
-                  lifespan=lifespan)
+    # FastAPIOffline: /docs and /redoc from files shipped with the package, not a CDN (works offline)
+    app = FastAPIOffline(title="captioner", summary="Captions, and where the model looked for every word.",
+                         lifespan=lifespan)
     app.state.settings = Settings(checkpoint, limits, max_batch, max_delay_ms, dict(examples or {}))
     add_error_handlers(app)
     app.include_router(api.router)
