@@ -205,7 +205,7 @@ def test_manifest_holds_what_the_runtime_needs(exported):
 def test_the_feature_cache_filled_by_onnx_runtime_matches_torch(tmp_path):
     from captioner.data.cache_build import build_cache
     from captioner.data.records import Record
-    from captioner.deploy.encoder import OnnxGridEncoder, cache_encoder
+    from captioner.deploy.cache_encoder import OnnxGridEncoder, cache_encoder
     from captioner.model.encoder import build_encoder
 
     encoder = build_encoder(EncoderConfig(name="random", image_size=64))

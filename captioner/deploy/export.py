@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,21 +146,33 @@ def store_half(path: Path, min_size: int = 1024) -> None:
     onnx.save(model, str(path))
 
 
+def export_verified(module: nn.Module, example: tuple[Tensor, ...], inputs: list[str], outputs: list[str],
+                    path: Path, checks: Sequence[tuple[Tensor, ...]], reference: nn.Module | None = None,
+                    prepare: Callable[[Path], None] | None = None, name: str | None = None) -> float:
+    """Export `module` traced on `example` to `path`, then run the graph next to `reference` (default:
+    `module`) on each of `checks`: the largest difference of any output. Above TOLERANCE the file is
+    removed and FormatError names `name` (default: the path). `prepare` rewrites the file before the
+    check (say, float16 weights). What `captioner export` and the cache's ONNX encoder both use."""
+    export_graph(module, example, inputs, outputs, path)
+    if prepare is not None:
+        prepare(path)
+    difference = max(compare_graph(path, reference or module, check, inputs) for check in checks)
+    if difference > TOLERANCE:
+        path.unlink(missing_ok=True)
+        raise FormatError(f"{name or path}: differs from torch by {difference:.2e} (more than {TOLERANCE:g})")
+    return difference
+
+
 def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], stage: Path, out: Path,
                    small: bool) -> dict[str, float]:
-    """Export each graph into `stage` and check it against torch on `checks`; returns each one's
-    largest difference. FormatError (naming the file in `out`) above TOLERANCE."""
+    """Export and verify each graph into `stage` (`export_verified`); each one's largest difference."""
     differences = {}
     for name, (module, reference, inputs, outputs) in graphs.items():
         path = stage / f"{name}.onnx"
         log.info("exporting %s", out / path.name)
-        export_graph(module, traced[name], inputs, outputs, path)
-        if small and name != "encoder":
-            store_half(path)
-        differences[name] = max(compare_graph(path, reference, check[name], inputs) for check in checks)
-        if differences[name] > TOLERANCE:
-            raise FormatError(f"{out / path.name}: differs from torch by {differences[name]:.2e} (more than "
-                              f"{TOLERANCE:g})")
+        differences[name] = export_verified(module, traced[name], inputs, outputs, path,
+                                            [check[name] for check in checks], reference,
+                                            store_half if small and name != "encoder" else None, str(out / path.name))
     return differences
 
 

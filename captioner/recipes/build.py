@@ -30,7 +30,7 @@ from captioner.data.sources import load_records
 from captioner.data.vocab import Vocabulary, build_vocabulary
 from captioner.decoding.metrics import java_available
 from captioner.deploy import require_onnx
-from captioner.deploy.encoder import cache_encoder
+from captioner.deploy.cache_encoder import cache_encoder
 from captioner.errors import CaptionerError
 from captioner.files import remove_stale_temporaries, writable_dir
 from captioner.model.caption_model import CaptionModel, build_model

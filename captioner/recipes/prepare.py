@@ -16,7 +16,7 @@ from captioner.data.cache_build import build_cache
 from captioner.data.records import SPLITS, SourceError
 from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
-from captioner.deploy.encoder import cache_encoder
+from captioner.deploy.cache_encoder import cache_encoder
 from captioner.errors import CaptionerError
 from captioner.model.encoder import build_encoder
 

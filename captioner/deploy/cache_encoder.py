@@ -57,7 +57,7 @@ class OnnxGridEncoder:
 
 
 def _exported_encoder(encoder: Encoder) -> Any:
-    from captioner.deploy.export import compare_graph, export_graph
+    from captioner.deploy.export import export_verified
 
     folder = cache_home() / "onnx" / f"encoder-{hashlib.sha256(encoder.cache_key().encode()).hexdigest()[:16]}"
     path = folder / "encoder.onnx"
@@ -66,12 +66,11 @@ def _exported_encoder(encoder: Encoder) -> Any:
         pixels = torch.randn(2, 3, encoder.image_size, encoder.image_size, generator=torch.Generator().manual_seed(0))
         log.info("%s: exporting the encoder to ONNX for the cache (once) in %s", encoder.name, folder)
         partial = folder / f".encoder.{os.getpid()}.onnx"
-        export_graph(encoder, (pixels,), ["pixels"], ["grid"], partial)
-        difference = compare_graph(partial, encoder, (pixels[:1],), ["pixels"])
-        if difference > 1e-3:
-            partial.unlink(missing_ok=True)
-            raise FormatError(f"{encoder.name}: the ONNX encoder differs from torch by {difference:.1e}; use "
-                              f"data.cache_runtime=torch")
+        try:
+            export_verified(encoder, (pixels,), ["pixels"], ["grid"], partial, [(pixels[:1],)],
+                            name=f"{encoder.name}: the cache's ONNX encoder")
+        except FormatError as e:
+            raise FormatError(f"{e}; use data.cache_runtime=torch") from None
         os.replace(partial, path)
     return ort_session(path, torch.get_num_threads(), spin=True)
 
