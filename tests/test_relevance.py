@@ -67,3 +67,12 @@ def test_the_map_follows_the_region_that_decides_the_word():
     features[0, 4] = 3.0  # a strong region
     maps = relevance_maps(dec, features, *_captions([5]))
     assert int(maps[0, 0].argmax()) == 4
+
+
+def test_an_ensemble_of_a_decoder_with_itself_has_the_decoders_maps():
+    from captioner.decoding.ensemble import EnsembleDecoder
+
+    dec, features = _decoder(), torch.randn(2, L, D)
+    tokens, lengths = _captions([5, 6, 7], [8])
+    torch.testing.assert_close(relevance_maps(EnsembleDecoder([dec, dec]).eval(), features, tokens, lengths),
+                               relevance_maps(dec, features, tokens, lengths), atol=1e-6, rtol=0)
