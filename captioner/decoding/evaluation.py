@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.config import DataConfig, DecodeConfig
-from captioner.data.boxes import Boxes, objects_of, read_boxes
+from captioner.data.boxes import Boxes, objects_of
 from captioner.data.images import ImageError
 from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records

@@ -20,7 +20,7 @@ from torch import Tensor
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.search import Hypothesis, length_penalty
 from captioner.decoding.text import TextError, text_ids  # noqa: F401 (re-exported: text_ids reads the text to force)
-from captioner.model.decoder import AttentionDecoder
+from captioner.model.decoder import AttentionDecoder, Memory
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,20 @@ class Forced:
     logprobs: Tensor
     alphas: Tensor
     lengths: Tensor
+
+
+def forced_steps(decoder: AttentionDecoder, memory: Memory, state: Tensor, tokens: Tensor,
+                 steps: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Feed tokens[:, t] for t < `steps` (gradients as the caller's mode has them): per step, the
+    log-probability of tokens[:, t + 1] (B,) and the map it was predicted with (B, L)."""
+    logprobs, alphas = [], []
+    for t in range(steps):
+        out = decoder.step(tokens[:, t], state, memory)  # logits (B, V), alpha (B, L)
+        logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, V)
+        logprobs.append(logp.gather(1, tokens[:, t + 1 : t + 2]).squeeze(1))  # (B,)
+        alphas.append(out.alpha.float())  # (B, L)
+        state = out.hidden
+    return logprobs, alphas
 
 
 @torch.no_grad()
@@ -59,13 +73,7 @@ def teacher_force(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, l
     memory = memory.select(rows)  # (B, L, D), (B, L, A)
     tokens, lengths = tokens.to(device, torch.long), lengths.to(device)  # int64: gather's and the ONNX graph's
     steps = int(lengths.max())
-    logprobs, alphas = [], []
-    for t in range(steps):
-        out = decoder.step(tokens[:, t], state, memory)  # logits (B, V), alpha (B, L)
-        logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, V)
-        logprobs.append(logp.gather(1, tokens[:, t + 1 : t + 2]).squeeze(1))  # (B,)
-        alphas.append(out.alpha.float())  # (B, L)
-        state = out.hidden
+    logprobs, alphas = forced_steps(decoder, memory, state, tokens, steps)
     live = torch.arange(steps, device=device)[None, :] < lengths[:, None]  # (B, T + 1)
     # `where`, not a product: a padded position scored -inf (a <pad> the model never gives) would be NaN.
     logprobs_ = torch.where(live, torch.stack(logprobs, 1), 0.0)  # (B, T + 1)

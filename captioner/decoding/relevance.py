@@ -19,6 +19,7 @@ from torch import Tensor
 
 from captioner.decoding.caption import Caption
 from captioner.decoding.captioner import Captioner
+from captioner.decoding.forced import forced_steps
 from captioner.model.decoder import AttentionDecoder
 
 
@@ -43,13 +44,7 @@ def relevance_maps(decoder: AttentionDecoder, features: Tensor, tokens: Tensor, 
     with torch.enable_grad():
         grid = features.detach().float()[rows].requires_grad_(True)  # (B, L, D): one copy per caption
         memory = decoder.memory(grid)
-        state = decoder.init_hidden(memory)  # (B, H) or (B, H + D)
-        logprobs = []
-        for t in range(steps):
-            out = decoder.step(tokens[:, t], state, memory)  # logits (B, V)
-            logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, V)
-            logprobs.append(logp.gather(1, tokens[:, t + 1 : t + 2]).squeeze(1))  # (B,)
-            state = out.hidden
+        logprobs, _ = forced_steps(decoder, memory, decoder.init_hidden(memory), tokens, steps)  # T + 1 x (B,)
         maps = []
         for t, logp in enumerate(logprobs):
             # captions are independent rows, so the gradient of the batch's sum is each caption's own

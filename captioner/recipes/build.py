@@ -139,10 +139,10 @@ def load_splits(cfg: Config) -> Splits:
 def load_boxes(cfg: Config, train: list[Record]) -> Boxes | None:
     """The object boxes of box supervision (`train.box_weight`): `data.boxes` read (a bad file fails
     here, before any work) and matched to the training photos by file name; None = the records' own
-    (the built-in shapes). Refused when no training photo has any."""
-    boxes = read_boxes(cfg.data.boxes) if cfg.data.boxes else None
+    (the built-in shapes), or when box supervision is off. Refused when no training photo has any."""
     if not cfg.train.box_weight:
-        return boxes
+        return None
+    boxes = read_boxes(cfg.data.boxes) if cfg.data.boxes else None
     boxed = sum(bool(boxes.get(Path(r.image).name) if boxes is not None else r.boxes) for r in train)
     if not boxed:
         where = f"data.boxes ({cfg.data.boxes}) names none of the {len(train):,} training photos" if boxes is not None \

@@ -68,11 +68,6 @@ class BoxTargets:
             per_image.append([(o, object_cells(o, size, grid, cells)) for o in found])
         return cls(per_image, vocab, grid[0] * grid[1])
 
-    @property
-    def photos(self) -> int:
-        """How many photos have boxed objects."""
-        return sum(bool(o) for o in self.objects)
-
     def cells(self, tokens: Tensor, image_ids: Tensor) -> Tensor:
         """Which cells each word should look at.
 
