@@ -249,6 +249,42 @@ def test_the_kl_term_is_zero_at_the_start_and_pulls_back_towards_it(start):
     assert scst.loss(ImageBatch(torch.rand(2, 3, 64, 64), torch.tensor([0, 1]))).loss.total.requires_grad
 
 
+class _Detector(torch.nn.Module):
+    """A word detector that counts the passes that run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return features
+
+
+def test_self_critical_training_never_runs_the_word_detector(start):
+    """The detector (`model.decoder.concepts`) feeds only cross-entropy's concept terms: SCST's three
+    teacher-forced passes (its samples, the KL's initial model, the references' cross-entropy) skip it."""
+    config, ce = start
+    from captioner.data.datasets import ImageBatch
+    from captioner.training.scst import SelfCritical
+
+    model, ckpt = _restored(ce)
+    initial, _ = _restored(ce)
+    model.decoder.concepts, initial.decoder.concepts = _Detector(), _Detector()
+    cfg = run_config(config, [*SCST, f"train.init={ce}", "train.scst_kl_weight=0.5", "train.scst_xent_weight=0.5"])
+    refs = [("a red circle",), ("a blue square",)]
+    scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False,
+                        initial=initial.decoder)
+    model.decoder.train()
+    loss = scst.loss(ImageBatch(torch.rand(2, 3, 64, 64), torch.tensor([0, 1]))).loss
+    assert loss.total.requires_grad and loss.xent.item() > 0
+    assert model.decoder.concepts.runs == initial.decoder.concepts.runs == 0
+    features = model.encoder.infer(torch.rand(1, 3, 64, 64)).clone()
+    tokens = torch.tensor([[ckpt.vocab.start_id, 4, ckpt.vocab.end_id]])
+    assert model.decoder(features, tokens, torch.tensor([2])).concepts is features  # cross-entropy's pass runs it
+    assert model.decoder(features, tokens, torch.tensor([2]), detect=False).concepts is None
+
+
 def test_scst_without_an_initial_checkpoint_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="'scst' needs train.init"):
         load_config(None, ["train.objective=scst"])

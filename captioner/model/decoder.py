@@ -199,7 +199,7 @@ class AttentionDecoder(nn.Module):
 
     def forward(
         self, features: Tensor, tokens: Tensor, lengths: Tensor, rows: Tensor | None = None,
-        sampling_prob: float = 0.0,
+        sampling_prob: float = 0.0, detect: bool = True,
     ) -> DecoderOutput:
         """Teacher-forced pass over a batch of captions, packed (see `DecoderOutput`).
 
@@ -214,6 +214,9 @@ class AttentionDecoder(nn.Module):
             rows: (B,) int64 row of `features` for each caption; None = caption b is image b.
             sampling_prob: probability of feeding the model's own previous prediction instead of
                 the true word (scheduled sampling); 0 = pure teacher forcing.
+            detect: run the word detector (`concepts`, for the cross-entropy loss's concept terms).
+                False where nothing reads it (self-critical training): at 12x12 regions and a
+                2,500-word vocabulary it is a (N·144, 1280) x (1280, 2500) product per pass.
         """
         lengths = lengths.to(tokens.device)
         rows = torch.arange(len(tokens), device=tokens.device) if rows is None else rows.to(tokens.device)
@@ -246,5 +249,5 @@ class AttentionDecoder(nn.Module):
             logits = self._logits(torch.cat(hiddens), torch.cat(contexts), torch.cat(embs))  # (P, V)
         caption = torch.cat([order[:n] for n in sizes])  # (P,)
         step = torch.cat([torch.full((n,), t, dtype=torch.long, device=order.device) for t, n in enumerate(sizes)])
-        concepts = self.concepts(features) if self.concepts is not None else None  # (N, L, V)
+        concepts = self.concepts(features) if detect and self.concepts is not None else None  # (N, L, V)
         return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts, features)

@@ -108,7 +108,7 @@ class SelfCritical:
                 start = torch.full((len(tokens), 1), self.vocab.start_id, dtype=torch.long, device=device)
                 seqs = torch.cat([start, tokens.to(device)], dim=1)  # (R, T + 1) what the decoder reads
                 rows = torch.arange(len(image_ids), device=device).repeat_interleave(K)  # (R,) each sample's image
-                out = self.net(features, seqs, lengths.to(device), rows)  # packed: logits (P, V)
+                out = self.net(features, seqs, lengths.to(device), rows, detect=False)  # packed: logits (P, V)
                 logp = self._token_log_probs(out.logits, seqs[out.caption, out.step + 1], out.step)  # (P,)
                 total = -(advantage[out.caption] * logp).mean()  # the policy gradient's loss
                 xent = logp.new_zeros(())
@@ -145,7 +145,8 @@ class SelfCritical:
         """Mean over the P sampled positions of KL(policy || initial model), from the policy's packed
         logits (P, V) and the frozen initial decoder's pass over the same samples (same packing)."""
         with torch.no_grad():
-            initial = torch.log_softmax(self.initial(features, seqs, lengths.to(seqs.device), rows).logits.float(), -1)
+            initial = self.initial(features, seqs, lengths.to(seqs.device), rows, detect=False).logits
+            initial = torch.log_softmax(initial.float(), -1)  # (P, V)
         logp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
         return (logp.exp() * (logp - initial)).sum(-1).mean()
 
@@ -155,5 +156,5 @@ class SelfCritical:
         tokens, lengths = pad_captions([ids for _, ids in captions], self.vocab.pad_id)  # (C, T + 1), (C,)
         tokens, lengths = tokens.to(device), lengths.to(device)
         rows = torch.tensor([n for n, _ in captions], device=device)  # (C,)
-        out = self.net(features, tokens, lengths, rows)
+        out = self.net(features, tokens, lengths, rows, detect=False)
         return F.cross_entropy(out.logits.float(), tokens[out.caption, out.step + 1])
