@@ -101,16 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         calibration = [str(data / "Images" / name) for name in train[:: max(1, len(train) // 64)][:64]]
         export = ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "--quantize", "int8"]
         stage("bundle", CAPTIONER + export + ["--calibration", *calibration], env, out / "bundle.log")
-        write_card(folder / "MODEL_CARD.md", best, rows, minutes, args)
+        encoder = json.loads((folder / "manifest.json").read_text())["encoder"]
+        write_card(folder / "MODEL_CARD.md", best, rows, minutes, args, encoder)
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         print(f"bundled the {best} model: {folder} ({size:.1f} MB)")
     return 0
 
 
 def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minutes: dict[str, float],
-               args: argparse.Namespace) -> None:
-    """The model card beside a bundled model: what it is, its data and licence, recipe, scores."""
-    r = rows[which]
+               args: argparse.Namespace, encoder: dict) -> None:
+    """The model card beside a bundled model: what it is, its data and licence, recipe, scores.
+    `encoder` is the export manifest's encoder entry (name, input size, grid)."""
+    height, width = encoder["grid"]
     table = "\n".join(
         f"| {name} | {v['Bleu_1']:.3f} | {v['Bleu_4']:.3f} | {v['METEOR']:.3f} | {v['ROUGE_L']:.3f} | {v['CIDEr']:.3f} "
         f"| {v['words']:.0f} | {v['hit']:.3f} ({v['centre']:.3f}) | {v['mass']:.3f} ({v['even']:.3f}) |"
@@ -118,8 +120,8 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
     spent = ", ".join(f"{k} {v:.1f} min" for k, v in minutes.items()) or "stages reused from an earlier run"
     path.write_text(f"""# Model card: captioner Flickr8k ({which})
 
-**What it is.** An image captioner with Bahdanau attention: a frozen EfficientNet-Lite0 (ImageNet
-weights) turns a photo into an 8x8 grid of regions; a GRU decoder writes the caption word by word,
+**What it is.** An image captioner with Bahdanau attention: a frozen {encoder["name"]} (ImageNet
+weights) at {encoder["image_size"]} px turns a photo into a {height}x{width} grid of regions; a GRU decoder writes the caption word by word,
 attending over the regions at every step. Exported to ONNX with the encoder in int8 (ONNX Runtime
 static quantization, calibrated on 64 training photos), so `captioner caption photo.jpg` runs it
 with ONNX Runtime, numpy and Pillow alone.
