@@ -6,7 +6,7 @@
 Each size is a folder in COCO's layout (`annotations/captions_train2014.json` + `train2014/`, and a
 val file and folder with 1 image in 20), of small generated JPEGs with 5 template captions each.
 The tiny `random` encoder (64 px, a 4x4 grid) encodes them, so what grows is the pipeline itself:
-reading and splitting the records, the vocabulary, cache shards written and memory-mapped, the data
+reading and splitting the records, the vocabulary, cache shards written and read, the data
 order, the decoder's steps. Every size runs in fresh processes, `captioner prepare` then
 `captioner train` for one epoch (train.val_images=100); each reports its own peak RSS.
 

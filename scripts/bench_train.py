@@ -4,7 +4,7 @@
     python scripts/bench_train.py --limit-images 200    # quicker: the first 200 training images
 
 Both ways train the same model (same initial weights, batch size) for one epoch:
-  (a) cached:   the decoder trains from each image's stored grid (computed once, then memory-mapped),
+  (a) cached:   the decoder trains from each image's stored grid (computed once, then read from disk row by row),
                 in captioner's training order: an image's captions share a batch, so its grid is
                 projected once for all of them (`train.group_by_image`);
   (b) encoder:  every caption's JPEG is decoded, resized and run through the frozen encoder, in a

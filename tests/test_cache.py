@@ -93,6 +93,23 @@ def test_valid_cache_is_reused_without_recompute(tmp_path, encoder, monkeypatch)
     np.testing.assert_array_equal(again.get(good[1]), result.cache.get(good[1]))
 
 
+def test_rows_are_read_into_memory_of_their_own_not_mapped(tmp_path, encoder):
+    """A row is a new array read from its shard, never a view of a memory map: a map keeps every page
+    it touched in the process's resident memory, which would grow to the whole cache over an epoch."""
+    good = _good(tmp_path / "img", 3)
+    cache = build_cache(good, encoder, tmp_path / "cache", progress=False).cache
+    rows = [cache.get(p) for p in good]
+    assert all(type(r) is np.ndarray and r.base is None and r.flags.writeable for r in rows)
+    stored = np.fromfile(next(cache.folder.glob("shard-*.f16")), dtype=np.float16).reshape(3, 16, -1)
+    np.testing.assert_array_equal(np.stack(rows), stored)
+    shard = next(cache.folder.glob("shard-*.f16"))
+    shard.write_bytes(shard.read_bytes()[: stored[0].nbytes])  # cut short after the cache was opened
+    fresh = pickle.loads(pickle.dumps(cache))  # another process's copy opens the shard itself
+    np.testing.assert_array_equal(fresh.get(good[0]), stored[0])
+    with pytest.raises(OSError, match=rf"{shard.name}: shorter than its index says"):
+        fresh.get(good[2])
+
+
 def test_changed_image_is_recomputed_and_stale_rows_never_served(tmp_path, encoder, monkeypatch):
     good = _good(tmp_path / "img", 4)
     first = build_cache(good, encoder, tmp_path / "cache", progress=False).cache
