@@ -16,7 +16,7 @@ from captioner.data.vocab import build_vocabulary
 from captioner.decoding.captioner import Captioner
 from captioner.deploy import FormatError
 from captioner.model import build_model
-from captioner.model.checkpoint import save_checkpoint
+from captioner.model.checkpoint import load_checkpoint, save_checkpoint
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install -e .[dev])")
 from captioner.deploy.export import export_onnx  # noqa: E402
@@ -127,6 +127,31 @@ def test_cli_export_then_caption_with_the_onnx_runtime(exported, tmp_path, capsy
     torch_row = json.loads(capsys.readouterr().out)
     assert onnx_row["tokens"] == torch_row["tokens"]
     assert onnx_row["score"] == pytest.approx(torch_row["score"], abs=1e-4)
+
+
+def test_an_export_records_the_decode_defaults_it_is_given(exported, tmp_path, capsys):
+    """`export --beam 1 --length-penalty 0.5`: the manifest's decode defaults, which `caption` then
+    uses with the export (here the greedy caption torch writes with --beam 1); the rest the checkpoint's.
+    A bad value is refused before anything is written."""
+    checkpoint, _ = exported
+    image = tmp_path / "photo.png"
+    _images(1)[0].save(image)
+    out = tmp_path / "greedy"
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--beam", "1",
+                 "--length-penalty", "0.5"]) == 0
+    capsys.readouterr()
+    decode = json.loads((out / "manifest.json").read_text())["decode"]
+    own = load_checkpoint(checkpoint).config.decode
+    assert own.beam_size != 1
+    assert decode == {**dataclasses.asdict(own), "beam_size": 1, "length_penalty": 0.5}
+    assert main(["caption", str(image), "--checkpoint", str(out), "--runtime", "onnx", "--json"]) == 0
+    onnx_row = json.loads(capsys.readouterr().out)
+    assert main(["caption", str(image), "--checkpoint", str(checkpoint), "--json", "--device", "cpu",
+                 "--beam", "1", "--length-penalty", "0.5"]) == 0
+    assert onnx_row["tokens"] == json.loads(capsys.readouterr().out)["tokens"]
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "bad"), "--beam", "0"]) == 2
+    assert capsys.readouterr().err.strip().startswith("captioner: error: --beam")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_missing_extra_is_one_line_naming_it(exported, monkeypatch, tmp_path, capsys):

@@ -34,6 +34,12 @@ def add_decode_options(p: argparse.ArgumentParser, bundled: bool = False) -> Non
                    help="a checkpoint written by `captioner train`; several (one encoder and vocabulary) decode "
                         "as an ensemble" + ("; default: the model bundled with the package, when it holds one"
                                             if bundled else ""))
+    add_decode_flags(p)
+
+
+def add_decode_flags(p: argparse._ActionsContainer) -> None:
+    """--beam, --max-length, --length-penalty, --no-repeat-ngram; left out = the checkpoint's own
+    (read back with `decode_overrides`)."""
     p.add_argument("--beam", type=int, dest="beam_size", metavar="K",
                    help="beam size, 1 = greedy (default: the checkpoint's decode settings)")
     p.add_argument("--max-length", type=int, metavar="N", help="most words per caption (default: the checkpoint's)")

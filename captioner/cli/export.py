@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from captioner.cli.common import add_decode_flags, decode_overrides
 from captioner.deploy import CALIBRATION_IMAGES
 from captioner.errors import CaptionerError
 
@@ -24,12 +25,17 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", nargs="+", metavar="IMG",
                    help="photos like those you will caption (files, folders or glob patterns; up to "
                         f"{CALIBRATION_IMAGES} evenly spaced are used), for --quantize int8")
+    group = p.add_argument_group("decode defaults recorded in the manifest (what `caption` and `serve` use with "
+                                 "the export; left out = the checkpoint's)")
+    add_decode_flags(group)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from captioner.cli.caption import expand_images
     from captioner.deploy.export import export_onnx
+
+    decode = decode_overrides(args)  # checked before the checkpoint loads
 
     if bool(args.quantize) != bool(args.calibration):
         raise CaptionerError("--quantize int8 and --calibration IMG go together: the int8 ranges are calibrated "
@@ -39,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         calibration, problems = expand_images(args.calibration)
         if problems:
             raise CaptionerError(problems[0])
-    report = export_onnx(args.checkpoint, args.out, int8_calibration=calibration, small=args.small)
+    report = export_onnx(args.checkpoint, args.out, int8_calibration=calibration, small=args.small, decode=decode)
     for path in report.files:
         print(f"wrote {path}")
     print("largest difference from torch: " + ", ".join(f"{k} {v:.1e}" for k, v in report.differences.items()))

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from captioner.config import DecodeConfig
 from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, FormatError, require_onnx
 from captioner.deploy.quantize import calibration_pixels, quantize_encoder
 from captioner.deploy.step import InferenceMemory, InferenceStep
@@ -90,8 +91,10 @@ def compare_graph(path: Path, module: nn.Module, inputs: tuple[Tensor, ...], nam
     return max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
 
 
-def manifest(ckpt: Any, model: CaptionModel, checkpoint: str, precision: dict[str, Any]) -> dict[str, Any]:
-    """What the runtime needs besides the graphs, and the data settings `evaluate` scores it with."""
+def manifest(ckpt: Any, model: CaptionModel, checkpoint: str, precision: dict[str, Any],
+             decode: DecodeConfig | None = None) -> dict[str, Any]:
+    """What the runtime needs besides the graphs, and the data settings `evaluate` scores it with;
+    `decode`: the decode defaults it records (None = the checkpoint's)."""
     import onnx
     import onnxruntime
 
@@ -103,7 +106,7 @@ def manifest(ckpt: Any, model: CaptionModel, checkpoint: str, precision: dict[st
                     "cells": enc.cells._asdict(), "width": enc.out_dim, **precision},
         "data": dataclasses.asdict(ckpt.config.data),
         "vocabulary": ckpt.vocab.to_list(),
-        "decode": dataclasses.asdict(ckpt.config.decode),
+        "decode": dataclasses.asdict(decode or ckpt.config.decode),
         "meta": {k: ckpt.meta[k] for k in ("epoch", "step", "metrics") if k in ckpt.meta},
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }
@@ -177,11 +180,14 @@ def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], s
 
 
 def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
-                int8_calibration: Sequence[str] | None = None, small: bool = False) -> ExportReport:
+                int8_calibration: Sequence[str] | None = None, small: bool = False,
+                decode: Mapping[str, Any] | None = None) -> ExportReport:
     """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. With
     `int8_calibration` (photo paths) the encoder is quantized to int8, calibrated on those photos
     (`captioner.deploy.quantize`). `small`: the decoder's weights rounded to float16 and stored so, and
-    no token tables in the step graph (about a quarter of the size; the step a little slower). Raises
+    no token tables in the step graph (about a quarter of the size; the step a little slower).
+    `decode`: DecodeConfig fields the export's decode defaults change (None values = the
+    checkpoint's), e.g. {"beam_size": 5}: what `caption` and `serve` use with it. Raises
     FormatError (one line) for what cannot be exported, and when a graph differs from torch by more
     than TOLERANCE."""
     require_onnx()
@@ -190,6 +196,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     if ckpt.model_config.decoder.init_pooling == "attention":
         raise FormatError(f"{checkpoint}: model.decoder.init_pooling 'attention' is not exported yet (use 'mean' "
                           f"or 'none')")
+    defaults = dataclasses.replace(ckpt.config.decode, **{k: v for k, v in (decode or {}).items() if v is not None})
     model = restore_model(ckpt, checkpoint).eval()
     calibration = (None if int8_calibration is None else  # read before minutes of export, not after
                    calibration_pixels(int8_calibration, model.encoder.transform(train=False)))
@@ -225,6 +232,6 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
             (stage / "encoder-int8.onnx").replace(stage / "encoder.onnx")
             precision.update(precision="int8", calibration={"images": len(calibration),
                                                             "relative_difference": round(int8_difference, 4)})
-        atomic_write_text(stage / MANIFEST, json.dumps(manifest(ckpt, model, str(checkpoint), precision), indent=1))
+        atomic_write_text(stage / MANIFEST, json.dumps(manifest(ckpt, model, str(checkpoint), precision, defaults), indent=1))
     files = [out / f"{name}.onnx" for name in graphs] + [out / MANIFEST]
     return ExportReport(out, files, differences, int8_difference)
