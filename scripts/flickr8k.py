@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         export = ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "--quantize", "int8",
                   *decoding]
         stage("bundle", CAPTIONER + export + ["--calibration", *calibration], env, out / "bundle.log")
-        write_card(folder / "MODEL_CARD.md", best, rows, minutes, args, json.loads((folder / "manifest.json").read_text()))
+        manifest = json.loads((folder / "manifest.json").read_text())
+        write_card(folder / "MODEL_CARD.md", best, rows, minutes, args, manifest)
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         print(f"bundled the {best} model: {folder} ({size:.1f} MB)")
     return 0
@@ -132,8 +133,8 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
     path.write_text(f"""# Model card: captioner Flickr8k ({which})
 
 **What it is.** An image captioner with Bahdanau attention: a frozen {encoder["name"]} (ImageNet
-weights) at {encoder["image_size"]} px turns a photo into a {height}x{width} grid of regions; a GRU decoder writes the caption word by word,
-attending over the regions at every step. Exported to ONNX with the encoder in int8 (ONNX Runtime
+weights) at {encoder["image_size"]} px turns a photo into a {height}x{width} grid of regions; a GRU
+decoder writes the caption word by word, attending over the regions at every step. Exported to ONNX with the encoder in int8 (ONNX Runtime
 static quantization, calibrated on 64 training photos), so `captioner caption photo.jpg` runs it
 with ONNX Runtime, numpy and Pillow alone.
 
@@ -143,8 +144,8 @@ official dev list (970 photos). English captions, mostly of people and dogs outd
 describe those well and anything else (indoor scenes, objects, text) poorly, and to repeat the
 biases of its captions (it says "man" and "woman" from appearance). Not for decisions about people.
 
-**Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR` ({recipe}), on a
-2-core CPU: {spent}.
+**Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR` ({recipe}), on a 2-core
+CPU: {spent}.
 
 **Scores on the Flickr8k dev list** (970 photos, beam {beam}; grounding: the pointing game over the words
 that name a hand-boxed object of 140 dev photos, with the photo-centre and even-map baselines in

@@ -232,6 +232,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
             (stage / "encoder-int8.onnx").replace(stage / "encoder.onnx")
             precision.update(precision="int8", calibration={"images": len(calibration),
                                                             "relative_difference": round(int8_difference, 4)})
-        atomic_write_text(stage / MANIFEST, json.dumps(manifest(ckpt, model, str(checkpoint), precision, defaults), indent=1))
+        record = manifest(ckpt, model, str(checkpoint), precision, defaults)
+        atomic_write_text(stage / MANIFEST, json.dumps(record, indent=1))
     files = [out / f"{name}.onnx" for name in graphs] + [out / MANIFEST]
     return ExportReport(out, files, differences, int8_difference)
