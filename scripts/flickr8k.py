@@ -134,9 +134,9 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
 
 **What it is.** An image captioner with Bahdanau attention: a frozen {encoder["name"]} (ImageNet
 weights) at {encoder["image_size"]} px turns a photo into a {height}x{width} grid of regions; a GRU
-decoder writes the caption word by word, attending over the regions at every step. Exported to ONNX with the encoder in int8 (ONNX Runtime
-static quantization, calibrated on 64 training photos), so `captioner caption photo.jpg` runs it
-with ONNX Runtime, numpy and Pillow alone.
+decoder writes the caption word by word, attending over the regions at every step. Exported to
+ONNX with the encoder in int8 (ONNX Runtime static quantization, calibrated on 64 training photos),
+so `captioner caption photo.jpg` runs it with ONNX Runtime, numpy and Pillow alone.
 
 **Data.** Flickr8k (Hodosh, Young, Hockenmaier 2013; photos from Flickr, **for research use
 only**): trained on the official train list (5,856 photos here, 5 captions each), validated on the
