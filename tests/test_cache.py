@@ -1,6 +1,7 @@
 """Feature cache: computed once, reused while valid, re-encoded when the encoder or an image changes,
 broken and missing images skipped and counted; shards never rewritten, a killed build resumed."""
 import io
+import logging
 import os
 import pickle
 import signal
@@ -110,7 +111,7 @@ def test_rows_are_read_into_memory_of_their_own_not_mapped(tmp_path, encoder):
         fresh.get(good[2])
 
 
-def test_changed_image_is_recomputed_and_stale_rows_never_served(tmp_path, encoder, monkeypatch):
+def test_changed_image_is_recomputed_and_stale_rows_never_served(tmp_path, encoder, monkeypatch, caplog):
     good = _good(tmp_path / "img", 4)
     first = build_cache(good, encoder, tmp_path / "cache", progress=False).cache
     before = first.get(good[2]).copy()
@@ -124,7 +125,10 @@ def test_changed_image_is_recomputed_and_stale_rows_never_served(tmp_path, encod
     assert not np.array_equal(result.cache.get(good[2]), before)
     np.testing.assert_array_equal(result.cache.get(good[0]), first.get(good[0]))
     os.utime(good[1])  # touched only: identity changed, recomputed too
-    assert build_cache(good, encoder, tmp_path / "cache", progress=False).built == 1
+    with caplog.at_level(logging.WARNING, logger="captioner.data.cache_build"):
+        again = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert again.built == 1 and again.cache.superseded == 2 and len(again.cache) == 4  # the old rows of 2 and 1
+    assert "2 rows (0.0 GB) belong to images that changed" in caplog.text
 
 
 def test_one_file_under_two_spellings_is_encoded_once(tmp_path, encoder):

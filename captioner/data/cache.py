@@ -164,6 +164,12 @@ class FeatureCache:
         """Size of the shards on disk, in bytes."""
         return sum(self._counts) * self.length * self.dim * 2
 
+    @property
+    def superseded(self) -> int:
+        """Rows no longer served: an image encoded again after its file changed (edited, or copied
+        anew with a new mtime) left its old row behind in a shard that is never rewritten."""
+        return len(self._where) - len(self._rows)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_files"] = {}  # open files stay in their process; another opens its own

@@ -98,6 +98,11 @@ def build_cache(
         cache = FeatureCache.open(folder, key, grid, dim) if todo else old
     skipped += failed
     log.info("%s: %d images encoded, %d reused, %d skipped", folder, built, reused, len(skipped))
+    if built and cache.superseded:
+        stale = cache.superseded * cache.length * cache.dim * 2 / 2**30
+        log.warning("%s: %d rows (%.1f GB) belong to images that changed since they were encoded and are never "
+                    "read again; delete the folder when no run is using it to reclaim the space", folder,
+                    cache.superseded, stale)
     return CacheResult(cache, built, reused, skipped)
 
 
