@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from captioner.cli.common import DECODE_FLAGS
 from captioner.config import load_config
 
 CAPTIONER = [sys.executable, "-m", "captioner.cli"]
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "--overwrite"], env, out / "scst.log") / 60
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     decode = load_config(args.config).decode
-    decoding = ["--beam", str(decode.beam_size), "--max-length", str(decode.max_length),
-                "--length-penalty", str(decode.length_penalty), "--no-repeat-ngram", str(decode.no_repeat_ngram)]
+    decoding = [part for key, flag in DECODE_FLAGS.items() for part in (flag, str(getattr(decode, key)))]
     rows = {}
     for name, run in (("cross-entropy", xent), ("SCST", scst)):
         if not (run / "best.pt").exists():

@@ -196,7 +196,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     if ckpt.model_config.decoder.init_pooling == "attention":
         raise FormatError(f"{checkpoint}: model.decoder.init_pooling 'attention' is not exported yet (use 'mean' "
                           f"or 'none')")
-    defaults = dataclasses.replace(ckpt.config.decode, **{k: v for k, v in (decode or {}).items() if v is not None})
+    defaults = ckpt.config.decode.with_overrides(**(decode or {}))
     model = restore_model(ckpt, checkpoint).eval()
     calibration = (None if int8_calibration is None else  # read before minutes of export, not after
                    calibration_pixels(int8_calibration, model.encoder.transform(train=False)))
