@@ -1,9 +1,11 @@
 """Feature cache: computed once, reused while valid, re-encoded when the encoder or an image changes,
 broken and missing images skipped and counted; shards never rewritten, a killed build resumed."""
 import io
+import json
 import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,11 +126,60 @@ def test_changed_image_is_recomputed_and_stale_rows_never_served(tmp_path, encod
     assert (result.built, result.reused, counter.n) == (1, 3, 1)
     assert not np.array_equal(result.cache.get(good[2]), before)
     np.testing.assert_array_equal(result.cache.get(good[0]), first.get(good[0]))
-    os.utime(good[1])  # touched only: identity changed, recomputed too
+    os.utime(good[1])  # touched only: found by its content, not encoded again
+    again = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert (again.built, again.reused, counter.n) == (0, 4, 1) and again.cache.superseded == 1  # the old row of 2
+    np.testing.assert_array_equal(again.cache.get(good[1]), first.get(good[1]))
+    good[3].write_bytes(good[3].read_bytes())  # rewritten with the same bytes: still the same content
+    good[0].write_bytes(good[0].read_bytes()[:-1] + b"x")  # same size, other bytes: encoded again
     with caplog.at_level(logging.WARNING, logger="captioner.data.cache_build"):
-        again = build_cache(good, encoder, tmp_path / "cache", progress=False)
-    assert again.built == 1 and again.cache.superseded == 2 and len(again.cache) == 4  # the old rows of 2 and 1
+        last = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert (last.built, counter.n) == (1, 2) and last.cache.superseded == 2
     assert "2 rows (0.0 GB) belong to images that changed" in caplog.text
+
+
+def test_a_copied_touched_or_moved_data_set_is_found_by_content(tmp_path, encoder, monkeypatch, caplog):
+    """Re-extracting or copying a data set gives every photo a new mtime or path: its rows are found
+    by the digest of the bytes, recorded in an alias file, and the next run finds them by stat alone."""
+    import captioner.data.cache as cache_module
+    import captioner.data.cache_build as build_module
+
+    good = _good(tmp_path / "img", 3)
+    first = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    moved = tmp_path / "copy"
+    shutil.copytree(tmp_path / "img", moved)  # new paths, new mtimes
+    copies = [moved / p.name for p in good]
+    counter = Counting(encoder, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="captioner.data.cache_build"):
+        result = build_cache(copies, encoder, tmp_path / "cache", progress=False)
+    assert (result.built, result.reused, counter.n) == (0, 3, 0) and result.cache.superseded == 0
+    assert "3 found by content" in caplog.text and len(list(first.cache.folder.glob("alias-*.json"))) == 1
+    for p, q in zip(good, copies):
+        np.testing.assert_array_equal(result.cache.get(q), first.cache.get(p))
+    hashed = []
+    real = cache_module.content_digest
+    monkeypatch.setattr(build_module, "content_digest", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(cache_module, "content_digest", lambda p: hashed.append(p) or real(p))
+    again = build_cache(copies, encoder, tmp_path / "cache", progress=False)
+    assert (again.built, again.reused, hashed) == (0, 3, [])  # the aliases: found by stat
+    assert all(again.cache.row(q) is not None for q in copies) and hashed == []
+
+
+def test_rows_encoded_before_digests_were_kept_get_one(tmp_path, encoder, monkeypatch):
+    """A shard index of the earlier layout (path, size, mtime) still serves; the next build records
+    the digests of the files it matches, so a later touch is found by content too."""
+    good = _good(tmp_path / "img", 2)
+    first = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    index = next(first.cache.folder.glob("shard-*.json"))
+    meta = json.loads(index.read_text())
+    meta["images"] = [entry[:3] for entry in meta["images"]]  # no digests
+    index.write_text(json.dumps(meta))
+    counter = Counting(encoder, monkeypatch)
+    assert build_cache(good, encoder, tmp_path / "cache", progress=False).reused == 2
+    for p in good:
+        os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
+    result = build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert (result.built, result.reused, counter.n) == (0, 2, 0)
 
 
 def test_one_file_under_two_spellings_is_encoded_once(tmp_path, encoder):

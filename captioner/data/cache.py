@@ -5,8 +5,11 @@ Layout, in `<cache_dir>/<name>-<size>-<hash of the key>/` (cache_dir: `data.cach
 
     shard-00000.f16    raw float16 array (n, L, D), a row read with one pread when a batch needs it
     shard-00000.json   {"version", "key", "grid": [H', W'], "dim": D,
-                        "images": [[absolute path, size, mtime_ns], ...]}    (row i = images[i])
+                        "images": [[absolute path, size, mtime_ns, digest], ...]}    (row i = images[i])
     shard-00001.f16 ...
+    alias-00000.json   {"version", "key", "images": [[absolute path, size, mtime_ns, digest, shard, row], ...]}:
+                       files whose content a row already holds (copied, moved or touched since), and
+                       the digests of rows encoded before digests were kept
     failed-00000.json  {"version", "key", "images": [[absolute path, size, mtime_ns, reason], ...]}: files
                        that could not be read, skipped without another try until they change
 
@@ -15,8 +18,10 @@ resize and normalisation, a digest of the weights actually loaded, and the timm 
 versions. A shard is written once and never rewritten: its `.f16` first, its `.json` last (each a
 temporary file renamed into place), so a shard exists exactly when its `.json` does, and a build
 killed at any moment loses at most the shard it was writing. Appending images writes new shards.
-An image is identified by absolute path + size + mtime_ns, so an edited image is encoded again (the
-newest shard wins) and a stale row is never served. `captioner.data.cache_build` writes shards.
+An image is found by absolute path + size + mtime_ns (a stat), else by a digest of its bytes: an
+edited image is encoded again (the newest shard wins) and a stale row is never served, while a data
+set copied, re-extracted, moved or touched is found by content and not encoded twice (an alias file
+records it, so the next run finds it by stat again). `captioner.data.cache_build` writes shards.
 """
 from __future__ import annotations
 
@@ -39,7 +44,10 @@ VERSION = 2
 SHARD_GLOB = "shard-*.json"
 FAILED_GLOB = "failed-*.json"
 
+ALIAS_GLOB = "alias-*.json"
+
 Identity = tuple[str, int, int]  # (absolute path, size in bytes, mtime_ns)
+Entry = tuple[Identity, str | None]  # an image of a shard index and its content digest (None: not kept)
 
 
 def image_identity(path: str | Path) -> Identity:
@@ -47,6 +55,12 @@ def image_identity(path: str | Path) -> Identity:
     path = Path(path).expanduser().resolve()
     st = path.stat()
     return str(path), st.st_size, st.st_mtime_ns
+
+
+def content_digest(path: str | Path) -> str:
+    """A digest of a file's bytes (BLAKE2b, 128 bits, hex): the identity of an image's content
+    wherever it lies and whatever its mtime. Raises OSError when it cannot be read."""
+    return hashlib.blake2b(Path(path).read_bytes(), digest_size=16).hexdigest()
 
 
 def cache_dir_of(cfg: DataConfig) -> Path:
@@ -65,7 +79,8 @@ def folder_name(key: str) -> str:
 class FeatureCache:
     """Read access to one cache folder: `row(path)` -> a row index (None when absent or the file
     changed since), `get_row(row)` -> (L, D) float16. Picklable without copying the features (each
-    process opens the shards it reads).
+    process opens the shards it reads). A file is found by stat (`row_of`), else by content
+    (`row_of_digest`).
 
     Rows are read with `pread`, not memory-mapped: the operating system's page cache still keeps the
     hot shards in memory, but they are not this process's memory, so a run's resident size stays that
@@ -73,7 +88,7 @@ class FeatureCache:
     12x12 Flickr8k run's 4.2 GB)."""
 
     def __init__(self, folder: Path, key: str, grid: tuple[int, int], dim: int,
-                 shards: list[tuple[str, list[Identity]]]) -> None:
+                 shards: list[tuple[str, list[Entry]]]) -> None:
         self.folder = Path(folder)
         self.key = key
         self.grid = (int(grid[0]), int(grid[1]))
@@ -81,13 +96,21 @@ class FeatureCache:
         self._shards = [name for name, _ in shards]  # shard file stems, oldest first
         self._where: list[tuple[int, int]] = []  # global row -> (shard, row within the shard)
         self._rows: dict[str, tuple[int, int, int]] = {}  # path -> (global row, size, mtime); newest wins
+        self._digests: dict[str, int] = {}  # content digest -> global row; newest wins
+        self._digest_of: dict[int, str] = {}  # global row -> its content digest, where known
         for s, (_, images) in enumerate(shards):
-            for r, (path, size, mtime) in enumerate(images):
-                self._rows[path] = (len(self._where), size, mtime)
+            for r, ((path, size, mtime), digest) in enumerate(images):
+                self._add((path, size, mtime), len(self._where), digest)
                 self._where.append((s, r))
         self._counts = [len(images) for _, images in shards]
         self._files: dict[int, BinaryIO] = {}  # shard -> its .f16 opened for reading, in this process
         self._failed: dict[str, tuple[int, int, str]] = {}  # path -> (size, mtime, reason)
+
+    def _add(self, ident: Identity, row: int, digest: str | None) -> None:
+        self._rows[ident[0]] = (row, ident[1], ident[2])
+        if digest is not None:
+            self._digests[digest] = row
+            self._digest_of[row] = digest
 
     @classmethod
     def open(cls, folder: str | Path, key: str, grid: tuple[int, int], dim: int) -> FeatureCache:
@@ -100,6 +123,19 @@ class FeatureCache:
             if images is not None:
                 shards.append((index.stem, images))
         cache = cls(folder, key, grid, dim, shards)
+        first = {name: sum(cache._counts[:s]) for s, name in enumerate(cache._shards)}  # shard -> its first row
+        for record in sorted(folder.glob(ALIAS_GLOB)):
+            try:
+                meta = json.loads(record.read_text())
+                if meta.get("version") != VERSION or meta.get("key") != key:
+                    continue
+                for path, size, mtime, digest, shard, r in meta["images"]:
+                    if shard in first and 0 <= int(r) < cache._counts[cache._shards.index(shard)]:
+                        row = first[shard] + int(r)
+                        if row >= cache._rows.get(path, (-1,))[0]:  # an alias never hides a newer encoding
+                            cache._add((str(path), int(size), int(mtime)), row, str(digest))
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("%s: ignoring an unreadable record of cached images", record)
         for record in sorted(folder.glob(FAILED_GLOB)):
             try:
                 meta = json.loads(record.read_text())
@@ -128,16 +164,32 @@ class FeatureCache:
         return len(self._shards)
 
     def row(self, path: str | Path) -> int | None:
-        """The row holding `path`'s features, or None when absent or the file changed since."""
+        """The row holding `path`'s features (found by stat, else by content), or None when absent or
+        the file changed since."""
         try:
-            p, size, mtime = image_identity(path)
+            ident = image_identity(path)
+            row = self.row_of(ident)
+            return row if row is not None or not self._digests else self.row_of_digest(content_digest(ident[0]))
         except OSError:
             return None
-        return self.row_of((p, size, mtime))
 
     def row_of(self, ident: Identity) -> int | None:
+        """The row of this exact file (path, size and mtime as encoded or aliased), or None."""
         hit = self._rows.get(ident[0])
         return hit[0] if hit is not None and hit[1:] == ident[1:] else None
+
+    def row_of_digest(self, digest: str) -> int | None:
+        """The newest row encoded from a file with these bytes, or None."""
+        return self._digests.get(digest)
+
+    def digest_of(self, row: int) -> str | None:
+        """The content digest of row `row`, or None when it was encoded before digests were kept."""
+        return self._digest_of.get(row)
+
+    def locate(self, row: int) -> tuple[str, int]:
+        """(shard file stem, row within the shard) of global row `row`: what an alias records."""
+        shard, r = self._where[row]
+        return self._shards[shard], r
 
     def __contains__(self, path: object) -> bool:
         return isinstance(path, (str, Path)) and self.row(path) is not None
@@ -168,7 +220,7 @@ class FeatureCache:
     def superseded(self) -> int:
         """Rows no longer served: an image encoded again after its file changed (edited, or copied
         anew with a new mtime) left its old row behind in a shard that is never rewritten."""
-        return len(self._where) - len(self._rows)
+        return len(self._where) - len({row for row, _, _ in self._rows.values()})
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -179,11 +231,11 @@ class FeatureCache:
         return f"FeatureCache({self.folder}, {len(self)} images in {self.shards} shards, grid {self.grid}, dim {self.dim})"
 
 
-def _read_shard(index: Path, key: str, grid: tuple[int, int], dim: int) -> list[Identity] | None:
-    """A shard's image identities, or None (logged) when it is unreadable or not of this cache."""
+def _read_shard(index: Path, key: str, grid: tuple[int, int], dim: int) -> list[Entry] | None:
+    """A shard's images and their digests, or None (logged) when it is unreadable or not of this cache."""
     try:
         meta = json.loads(index.read_text())
-        images = [(str(p), int(s), int(m)) for p, s, m in meta["images"]]
+        images = [((str(e[0]), int(e[1]), int(e[2])), str(e[3]) if len(e) > 3 else None) for e in meta["images"]]
         fits = (meta.get("version") == VERSION and meta["key"] == key and tuple(meta["grid"]) == tuple(grid)
                 and int(meta["dim"]) == dim)
         size = index.with_suffix(".f16").stat().st_size

@@ -1,6 +1,7 @@
 """Filling the feature cache (`captioner.data.cache`): encode the images that are not cached yet.
 
-`build_cache(records, encoder, cache_dir)` reuses every valid row, encodes missing or changed
+`build_cache(records, encoder, cache_dir)` reuses every valid row (a file whose stat changed is
+matched by the digest of its bytes, and recorded in an alias file), encodes missing or changed
 images into new shards (never rewriting one), and skips (and lists) unreadable ones. Shards are
 published one by one as they fill, so a build killed with SIGKILL keeps every finished shard for
 the next run. The next build removes what a killed one left half-written. Concurrent builds of
@@ -22,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.data.cache import FAILED_GLOB, SHARD_GLOB, VERSION, FeatureCache, Identity, folder_name, image_identity
+from captioner.data.cache import (ALIAS_GLOB, FAILED_GLOB, SHARD_GLOB, VERSION, Entry, FeatureCache, Identity,
+                                  content_digest, folder_name, image_identity)
 from captioner.data.images import ImageError, load_image
 from captioner.data.records import Record
 from captioner.files import atomic_write_text, remove_stale_temporaries
@@ -90,14 +92,19 @@ def build_cache(
         if removed:
             log.info("%s: removed %d files a killed build left", folder, removed)
         old = FeatureCache.open(folder, key, grid, dim)
-        todo, reused, skipped = _plan(_paths_of(items), old)
+        todo, reused, aliases, skipped = _plan(_paths_of(items), old)
+        if aliases:
+            _write_aliases(folder, key, old, aliases)
         built, failed = 0, []
         if todo:
             built, failed = _encode(folder, key, grid, dim, len(old._shards), todo, encoder, batch_size,
                                     torch.device(device), num_workers, progress)
-        cache = FeatureCache.open(folder, key, grid, dim) if todo else old
+        cache = FeatureCache.open(folder, key, grid, dim) if todo or aliases else old
     skipped += failed
-    log.info("%s: %d images encoded, %d reused, %d skipped", folder, built, reused, len(skipped))
+    moved = sum(1 for ident, _, row in aliases if old.row_of(ident) != row)
+    log.info("%s: %d images encoded, %d reused%s, %d skipped", folder, built, reused,
+             f" ({moved} found by content: copied, moved or touched since they were encoded)" if moved else "",
+             len(skipped))
     if built and cache.superseded:
         stale = cache.superseded * cache.length * cache.dim * 2 / 2**30
         log.warning("%s: %d rows (%.1f GB) belong to images that changed since they were encoded and are never "
@@ -113,30 +120,48 @@ def _paths_of(items: Iterable[Record | str | Path]) -> list[Path]:
     return list(seen)
 
 
-def _plan(paths: list[Path], cache: FeatureCache) -> tuple[list[tuple[Path, Identity]], int, list[tuple[Path, str]]]:
-    """(images to encode, images already cached, images that cannot be read)."""
-    todo, skipped, reused, seen = [], [], 0, set()
+def _plan(paths: list[Path], cache: FeatureCache) -> tuple[list[tuple[Path, Entry]], int, list[tuple[Identity, str, int]],
+                                                          list[tuple[Path, str]]]:
+    """(images to encode with their digests, images already cached, aliases to record, images that
+    cannot be read). An image is cached when its stat matches a row's, or else its bytes' digest
+    does (an alias then records its new stat); a stat-matched row without a digest gets one."""
+    todo, skipped, aliases, reused, seen = [], [], [], 0, set()
     for p in paths:
         try:
             ident = image_identity(p)
+            if ident[0] in seen:  # the same file under another spelling of its path
+                continue
+            seen.add(ident[0])
+            row = cache.row_of(ident)
+            if row is None and (reason := cache.failure(ident)) is not None:  # unreadable last time, unchanged since
+                skipped.append((p, reason))
+                continue
+            digest = cache.digest_of(row) if row is not None else None
+            if digest is None:
+                digest = content_digest(ident[0])
+                row = cache.row_of_digest(digest) if row is None else row
+                if row is not None:
+                    aliases.append((ident, digest, row))
         except FileNotFoundError:
             skipped.append((p, "file not found"))
             continue
         except OSError as e:
             skipped.append((p, f"cannot read ({e.strerror})"))
             continue
-        if ident[0] in seen:  # the same file under another spelling of its path
-            continue
-        seen.add(ident[0])
-        if cache.row_of(ident) is not None:
+        if row is not None:
             reused += 1
-        elif (reason := cache.failure(ident)) is not None:  # unreadable last time, unchanged since
-            skipped.append((p, reason))
         else:
-            todo.append((p, ident))
+            todo.append((p, (ident, digest)))
     for p, reason in skipped:
         log.warning("%s: skipped (%s)", p, reason)
-    return todo, reused, skipped
+    return todo, reused, aliases, skipped
+
+
+def _write_aliases(folder: Path, key: str, cache: FeatureCache, aliases: list[tuple[Identity, str, int]]) -> None:
+    """Record that these files' contents are in these rows (written once, never rewritten)."""
+    number = max([int(p.stem.split("-")[1]) + 1 for p in folder.glob(ALIAS_GLOB)], default=0)
+    images = [[*ident, digest, *cache.locate(row)] for ident, digest, row in aliases]
+    atomic_write_text(folder / f"alias-{number:05d}.json", json.dumps({"version": VERSION, "key": key, "images": images}))
 
 
 @contextlib.contextmanager
@@ -193,10 +218,10 @@ class _ShardWriter:
         self.per_shard = max(1, SHARD_BYTES // (grid[0] * grid[1] * dim * 2))
         self.number = first
         self.file: IO[bytes] | None = None
-        self.images: list[Identity] = []
+        self.images: list[Entry] = []
 
-    def add(self, features: np.ndarray, identities: list[Identity]) -> None:
-        """(n, L, D) float16 rows of the images `identities`, in order."""
+    def add(self, features: np.ndarray, identities: list[Entry]) -> None:
+        """(n, L, D) float16 rows of the images `identities` (with their digests), in order."""
         done = 0
         while done < len(identities):
             if self.file is None:
@@ -217,7 +242,7 @@ class _ShardWriter:
         self.file.close()
         os.replace(self._path(".f16", temporary=True), self._path(".f16"))
         index = {"version": VERSION, "key": self.key, "grid": list(self.grid), "dim": self.dim,
-                 "images": [list(i) for i in self.images]}
+                 "images": [[*ident, digest] for ident, digest in self.images]}
         atomic_write_text(self._path(".json"), json.dumps(index))
         self.file, self.images, self.number = None, [], self.number + 1
 
@@ -227,7 +252,7 @@ class _ShardWriter:
 
 
 def _encode(folder: Path, key: str, grid: tuple[int, int], dim: int, existing: int,
-            todo: list[tuple[Path, Identity]], encoder: GridEncoder, batch_size: int, device: torch.device,
+            todo: list[tuple[Path, Entry]], encoder: GridEncoder, batch_size: int, device: torch.device,
             num_workers: int, progress: bool) -> tuple[int, list[tuple[Path, str]]]:
     """Encode `todo` into new shards after the `existing` ones. Returns (encoded, skipped)."""
     shard_no = max([int(p.stem.split("-")[1]) + 1 for p in folder.glob(SHARD_GLOB)], default=existing)
@@ -254,7 +279,7 @@ def _encode(folder: Path, key: str, grid: tuple[int, int], dim: int, existing: i
         if failed:
             number = len(list(folder.glob(FAILED_GLOB)))
             bad = {str(p): reason for p, reason in failed}
-            images = [[*ident, bad[str(p)]] for p, ident in todo if str(p) in bad]
+            images = [[*ident, bad[str(p)]] for p, (ident, _) in todo if str(p) in bad]
             atomic_write_text(folder / f"failed-{number:05d}.json", json.dumps({"version": VERSION, "key": key,
                                                                                  "images": images}))
     finally:
