@@ -195,3 +195,78 @@ def test_grouped_concepts_share_one_detector_output():
     rows = torch.zeros(1, dtype=torch.long)
     assert concept_detection(scores, tokens, rows, slots) < 0.01  # "woman" is a person: present
     assert concept_detection(scores, tokens, rows) > 1.0  # ungrouped, the "woman" output never fired
+
+
+def test_the_detector_scores_the_batchs_words_and_a_sample_of_others():
+    """`detector_outputs` names every output a batch's words stand for (grouped: "woman" trains the
+    person output) plus drawn others; the decoder scores just those columns, and the detection loss
+    and the teacher read them as they read the same columns of a pass over all V."""
+    from captioner.config import DecoderConfig, TrainConfig
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.decoder import AttentionDecoder
+    from captioner.training.loss import build_criterion, concept_detection, detector_outputs
+    from captioner.training.teachers import concept_slots, detector_teacher
+
+    words = ["<pad>", "<start>", "<end>", "<unk>", "a", "man", "woman", "dog"] + [f"w{i}" for i in range(40)]
+    vocab = Vocabulary(words)
+    slots = concept_slots(vocab, grouped=True)
+    tokens = torch.tensor([[1, 4, 6, 2, 0], [1, 7, 4, 4, 2]])  # "a woman", "dog a a"
+    torch.manual_seed(0)
+    ids = detector_outputs(tokens, slots, len(vocab), negatives=5)
+    assert ids.tolist() == sorted(set(ids.tolist())) and min(ids.tolist()) >= 4
+    assert {4, 5, 7} <= set(ids.tolist()) and 6 not in ids.tolist()  # woman -> the person output (man's)
+    assert 3 + 1 <= len(ids) <= 3 + 5  # the batch's three outputs and at most five drawn
+    assert detector_outputs(tokens, slots, len(vocab), negatives=-1) is True
+
+    cfg = DecoderConfig(embed_dim=8, hidden_dim=12, attention_dim=10, dropout=0.0, feature_dim=10, concepts=True)
+    dec = AttentionDecoder(len(vocab), 16, cfg, grid=(2, 2)).eval()
+    features, lengths, rows = torch.randn(1, 4, 16), torch.tensor([3, 4]), torch.tensor([0, 0])
+    full, part = dec(features, tokens, lengths, rows), dec(features, tokens, lengths, rows, detect=ids)
+    assert full.detected is None and part.detected is ids and part.concepts.shape == (1, 4, len(ids))
+    torch.testing.assert_close(part.concepts, full.concepts[:, :, ids])
+    assert dec(features, tokens, lengths, rows, detect=False).concepts is None
+    # the loss over the scored outputs is the full loss over the same columns
+    present = torch.zeros(1, len(vocab))
+    present[0, [5, 7, 4]] = 1.0
+    log_absent = -F.softplus(full.concepts).sum(1)
+    nll = -(present * torch.log(-torch.expm1(log_absent)) + (1 - present) * log_absent)[0, ids]
+    torch.testing.assert_close(concept_detection(part.concepts, tokens, rows, slots, ids), nll.mean(),
+                               rtol=1e-4, atol=1e-5)
+    # the teacher reads each word's output in its own column
+    content = torch.tensor([w not in ("<pad>", "<start>", "<end>", "<unk>", "a") for w in words])
+    targets = tokens[part.caption, part.step + 1]
+    keep, scores = detector_teacher(content, slots)(part, targets)
+    keep_full, scores_full = detector_teacher(content, slots)(full, targets)
+    assert keep.tolist() == keep_full.tolist() and keep.sum() == 2  # woman, dog
+    torch.testing.assert_close(scores, scores_full)
+    # the run's criterion: a sample from a large vocabulary, every output from a small one
+    train = TrainConfig(concept_weight=1.0, concept_negatives=5)
+    assert isinstance(build_criterion(train, vocab).detector_outputs(tokens), torch.Tensor)
+    assert build_criterion(dataclasses.replace(train, concept_negatives=-1), vocab).detector_outputs(tokens) is True
+    assert build_criterion(dataclasses.replace(train, concept_negatives=60), vocab).detector_outputs(tokens) is True
+
+
+def test_a_cross_entropy_step_trains_only_the_detector_outputs_it_scored():
+    """The objective asks the criterion which outputs to score: the detector rows of every other word
+    get no gradient (and cost nothing), the batch's words do."""
+    from captioner.config import DecoderConfig, TrainConfig
+    from captioner.data.datasets import Batch
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.decoder import AttentionDecoder
+    from captioner.training.loss import build_criterion
+    from captioner.training.objective import CrossEntropy
+
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(60)])
+    train = TrainConfig(concept_weight=1.0, concept_negatives=3)
+    criterion = build_criterion(train, vocab)
+    asked = []
+    criterion.detector_outputs = lambda tokens, ask=criterion.detector_outputs: asked.append(ask(tokens)) or asked[-1]
+    cfg = DecoderConfig(embed_dim=8, hidden_dim=12, attention_dim=10, dropout=0.0, feature_dim=10, concepts=True)
+    dec = AttentionDecoder(len(vocab), 16, cfg, grid=(2, 2))
+    tokens = torch.tensor([[1, 10, 11, 2], [1, 12, 2, 0]])
+    batch = Batch(torch.randn(1, 4, 16), tokens, torch.tensor([3, 2]), torch.tensor([7, 7]), torch.tensor([0, 0]))
+    CrossEntropy(dec, train, criterion, torch.device("cpu")).loss(batch).loss.total.backward()
+    scored = set(asked[0].tolist())
+    assert {10, 11, 12} <= scored and len(scored) <= 6
+    trained = {i for i in range(len(vocab)) if dec.concepts.weight.grad[i].abs().sum() > 0}
+    assert trained == scored

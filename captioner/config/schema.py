@@ -34,7 +34,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
     "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
-              "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "box_weight": ">= 0",
+              "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
     "decode": {"beam_size": ">= 1", "max_length": ">= 2", "length_penalty": ">= 0", "no_repeat_ngram": ">= 0"},
@@ -179,6 +179,9 @@ class TrainConfig(_Section):
     # the detector learns one output per kind of thing (man, woman, boy... -> person), from every photo
     # whose captions name it however they call it, and teaches each word its kind's map
     concept_groups: bool = False
+    # the detector outputs a step trains: the batch's words and this many others drawn at random
+    # (-1 = all; all of a 2,500-word vocabulary at 12x12 regions is a third of a step)
+    concept_negatives: int = 512
     # pull the map of each word naming a boxed object of its photo into the object's cells (data.boxes;
     # Liu et al. 2017's supervised attention): -log of the map's mass there
     box_weight: float = 0.0

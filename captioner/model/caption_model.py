@@ -24,7 +24,7 @@ class CaptionModel(nn.Module):
         return self.encoder(images)
 
     def forward(self, images: Tensor, tokens: Tensor, lengths: Tensor, rows: Tensor | None = None,
-                sampling_prob: float = 0.0, detect: bool = True) -> DecoderOutput:
+                sampling_prob: float = 0.0, detect: bool | Tensor = True) -> DecoderOutput:
         """Teacher-forced pass from pixels: (N, 3, S, S) distinct images, (B, T + 1) tokens, (B,)
         lengths, (B,) rows (each caption's image) -> the decoder's packed output."""
         return self.decoder(self.encode(images), tokens, lengths, rows, sampling_prob=sampling_prob, detect=detect)

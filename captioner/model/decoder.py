@@ -80,8 +80,10 @@ class DecoderOutput:
     logits: (P, V); alphas: (P, L); caption: (P,) int64 index of the caption (0..B-1) and
     step: (P,) int64 position t of each row, so row p predicts tokens[caption[p], step[p] + 1].
     rows: (B,) int64 the image (row of the batch's grids) of each caption.
-    concepts: (N, L, V) the word detector's score of every region for every word, or None.
+    concepts: (N, L, K) the word detector's score of every region for the K outputs in `detected`,
+        or None.
     grid: (N, L, D_enc) the encoder grids the pass read (for teachers that look at them).
+    detected: (K,) int64 the detector outputs `concepts` holds, ascending; None = all V.
     """
 
     logits: Tensor
@@ -91,6 +93,7 @@ class DecoderOutput:
     rows: Tensor | None = None
     concepts: Tensor | None = None
     grid: Tensor | None = None
+    detected: Tensor | None = None
 
     def padded(self, x: Tensor, batch: int, steps: int) -> Tensor:
         """Packed (P, ...) -> (batch, steps, ...) with zeros at the padded positions."""
@@ -199,7 +202,7 @@ class AttentionDecoder(nn.Module):
 
     def forward(
         self, features: Tensor, tokens: Tensor, lengths: Tensor, rows: Tensor | None = None,
-        sampling_prob: float = 0.0, detect: bool = True,
+        sampling_prob: float = 0.0, detect: bool | Tensor = True,
     ) -> DecoderOutput:
         """Teacher-forced pass over a batch of captions, packed (see `DecoderOutput`).
 
@@ -214,9 +217,11 @@ class AttentionDecoder(nn.Module):
             rows: (B,) int64 row of `features` for each caption; None = caption b is image b.
             sampling_prob: probability of feeding the model's own previous prediction instead of
                 the true word (scheduled sampling); 0 = pure teacher forcing.
-            detect: run the word detector (`concepts`, for the cross-entropy loss's concept terms).
-                False where nothing reads it (self-critical training): at 12x12 regions and a
-                2,500-word vocabulary it is a (N·144, 1280) x (1280, 2500) product per pass.
+            detect: which word detector outputs to score (`concepts`, for the cross-entropy loss's
+                concept terms): True = all V, a (K,) ascending int64 tensor = those (the batch's
+                words and a sample of others: `CaptionCriterion.detector_outputs`), False = none,
+                where nothing reads them (self-critical training). All of them at 12x12 regions and
+                a 2,500-word vocabulary is a (N·144, 1280) x (1280, 2500) product per pass.
         """
         lengths = lengths.to(tokens.device)
         rows = torch.arange(len(tokens), device=tokens.device) if rows is None else rows.to(tokens.device)
@@ -249,5 +254,15 @@ class AttentionDecoder(nn.Module):
             logits = self._logits(torch.cat(hiddens), torch.cat(contexts), torch.cat(embs))  # (P, V)
         caption = torch.cat([order[:n] for n in sizes])  # (P,)
         step = torch.cat([torch.full((n,), t, dtype=torch.long, device=order.device) for t, n in enumerate(sizes)])
-        concepts = self.concepts(features) if detect and self.concepts is not None else None  # (N, L, V)
-        return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts, features)
+        concepts, detected = self._detect(features, detect)  # (N, L, K), (K,)
+        return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts, features, detected)
+
+    def _detect(self, features: Tensor, detect: bool | Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The word detector's scores (N, L, K) of the outputs `detect` names (see `forward`), and
+        those outputs (K,) (None: all V)."""
+        if self.concepts is None or detect is False:
+            return None, None
+        if detect is True:
+            return self.concepts(features), None  # (N, L, V)
+        ids = detect.to(features.device)  # (K,)
+        return nn.functional.linear(features, self.concepts.weight[ids], self.concepts.bias[ids]), ids  # (N, L, K)

@@ -7,8 +7,7 @@ Shapes: B captions, T + 1 tokens, P real (scored) positions, V vocabulary, L reg
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,15 @@ class LossOutput(NamedTuple):
     box: Tensor  # scalar: mean -log mass of a boxed object's word map on its cells (0 without box supervision)
 
 
-Criterion = Callable[..., LossOutput]  # (packed output, (B, T + 1) tokens, box_cells=(B, T, L) | None) -> loss
+class Criterion(Protocol):
+    """A run's training loss of a packed pass (`build_criterion`)."""
+
+    def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None) -> LossOutput:
+        """(packed output, (B, T + 1) tokens, (B, T, L) bool box cells or None) -> the loss terms."""
+
+    def detector_outputs(self, tokens: Tensor) -> Tensor | bool:
+        """The word detector outputs the decoder must score for a batch of (B, T + 1) captions
+        (its `detect` argument)."""
 
 
 def caption_loss(
@@ -79,7 +86,7 @@ def caption_loss(
         entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(dim=-1).mean()
     total = xent + coverage_weight * coverage + entropy_weight * entropy
     if out.concepts is not None:
-        total = total + concept_detection(out.concepts, tokens, out.rows, slots)
+        total = total + concept_detection(out.concepts, tokens, out.rows, slots, out.detected)
     if concept_weight:
         teach = teacher or detector_teacher(torch.arange(out.logits.size(-1)) >= 4)
         total = total + concept_weight * concept_attention(out, targets, teach)
@@ -89,27 +96,53 @@ def caption_loss(
     return LossOutput(total, xent, coverage, entropy, zero, box)
 
 
-def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Tensor | None = None) -> Tensor:
+def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Tensor | None = None,
+                      detected: Tensor | None = None) -> Tensor:
     """Multiple-instance learning of the word detector: a photo shows word w when some region does,
     p(w) = 1 - prod_regions (1 - sigmoid(s_lw)) (noisy-OR), trained with binary cross-entropy against
     the words of the photo's captions in the batch (<pad>/<start>/<end>/<unk> excluded).
 
     Args:
-        concepts: (N, L, V) region scores. tokens: (B, T + 1) captions. rows: (B,) their photos.
+        concepts: (N, L, K) region scores. tokens: (B, T + 1) captions. rows: (B,) their photos.
         slots: (V,) the output standing for each word (words of a group share one); None = its own.
             Only the outputs some word stands for are trained.
+        detected: (K,) the outputs `concepts` holds (`DecoderOutput.detected`); None = all, K = V.
     """
-    N, _, V = concepts.shape
-    present = torch.zeros(N, V, device=concepts.device)  # (N, V)
+    N, _, K = concepts.shape
+    outputs = torch.arange(K, device=concepts.device) if detected is None else detected.to(concepts.device)  # (K,)
     slot = tokens if slots is None else slots.to(tokens.device)[tokens]  # (B, T + 1)
-    present[rows[:, None].expand_as(tokens), slot] = 1.0
-    log_absent = -F.softplus(concepts.float()).sum(dim=1)  # (N, V) log prod (1 - sigmoid) = log(1 - p)
-    log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))  # (N, V) log p
-    nll = -(present * log_present + (1 - present) * log_absent)  # (N, V)
-    used = torch.arange(V, device=concepts.device) >= 4  # the four special ids are never words of a photo
+    named = (slot[:, :, None] == outputs).any(dim=1).float()  # (B, K): caption b uses output k
+    present = torch.zeros(N, K, device=concepts.device).index_add_(0, rows, named).clamp_(max=1.0)  # (N, K)
+    log_absent = -F.softplus(concepts.float()).sum(dim=1)  # (N, K) log prod (1 - sigmoid) = log(1 - p)
+    log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))  # (N, K) log p
+    nll = -(present * log_present + (1 - present) * log_absent)  # (N, K)
+    used = outputs >= 4  # the four special ids are never words of a photo
     if slots is not None:
-        used &= slots.to(concepts.device) == torch.arange(V, device=concepts.device)
+        used &= slots.to(concepts.device)[outputs] == outputs
     return nll[:, used].mean()
+
+
+def detector_outputs(tokens: Tensor, slots: Tensor | None, vocab_size: int, negatives: int) -> Tensor | bool:
+    """The word detector outputs a batch trains (`concept_detection`), for the decoder's `detect`:
+    the slot of every word the batch's captions use (the outputs the teacher reads, and each other
+    photo of the batch is a negative for them) and about `negatives` others drawn at random, so that
+    every output keeps learning where its word is absent. Scoring all V outputs at every region is a
+    third of a 12x12 cross-entropy step for a 2,500-word vocabulary; ~600 of them cost a fifth of that.
+
+    Args:
+        tokens: (B, T + 1) the batch's captions. slots: (V,) the output of each word (None = its own).
+        negatives: how many outputs to draw beside the batch's; < 0 = all (returns True).
+    Returns:
+        (K,) ascending int64 ids, or True (all V).
+    """
+    if negatives < 0:
+        return True
+    drawn = torch.randint(4, vocab_size, (negatives,), device=tokens.device)  # (negatives,)
+    ids = torch.cat([tokens.flatten(), drawn])
+    if slots is not None:
+        ids = slots.to(tokens.device)[ids]
+    ids = torch.unique(ids)  # (K,) ascending
+    return ids[ids >= 4]
 
 
 def concept_attention(out: DecoderOutput, targets: Tensor, teacher: Teacher) -> Tensor:
@@ -141,11 +174,29 @@ def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | Non
     return detector_teacher(content_words(vocab), slots)
 
 
+class CaptionCriterion:
+    """`caption_loss` with a run's weights and teacher (`build_criterion`), and the detector outputs
+    each batch trains (`detector_outputs`, `train.concept_negatives`)."""
+
+    def __init__(self, cfg: TrainConfig, teacher: Teacher | None, slots: Tensor | None, vocab_size: int | None) -> None:
+        self.loss = functools.partial(
+            caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
+            label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher, slots=slots,
+            box_weight=cfg.box_weight)
+        self.slots, self.vocab_size, self.negatives = slots, vocab_size, cfg.concept_negatives
+
+    def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None) -> LossOutput:
+        return self.loss(out, tokens, box_cells=box_cells)
+
+    def detector_outputs(self, tokens: Tensor) -> Tensor | bool:
+        if self.vocab_size is None or self.negatives < 0 or self.negatives + 4 >= self.vocab_size:
+            return True
+        return detector_outputs(tokens, self.slots, self.vocab_size, self.negatives)
+
+
 def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None) -> Criterion:
-    """`caption_loss` with the config's weights and teacher (`build_teacher`): (packed decoder output,
-    tokens, box_cells=None) -> LossOutput."""
+    """The run's loss (`CaptionCriterion`): `caption_loss` with the config's weights and teacher
+    (`build_teacher`). Without `vocab` the detector scores every output at every step."""
     slots = concept_slots(vocab, cfg.concept_groups) if vocab is not None else None
     teacher = build_teacher(cfg, vocab, encoder, slots)
-    return functools.partial(caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
-                             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher,
-                             slots=slots, box_weight=cfg.box_weight)
+    return CaptionCriterion(cfg, teacher, slots, len(vocab) if vocab is not None else None)

@@ -95,7 +95,8 @@ class CrossEntropy:
         rows = batch.rows.to(device, non_blocking=True)  # (B,) each caption's image
         cells = None if self.boxes is None else self.boxes.cells(batch.tokens, batch.image_ids)  # (B, T, L) bool
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            out = self.net(inputs, tokens, lengths, rows, sampling_prob=self.sampling_prob)  # packed: (P, V), (P, L)
+            out = self.net(inputs, tokens, lengths, rows, sampling_prob=self.sampling_prob,
+                           detect=self.criterion.detector_outputs(tokens))  # packed: (P, V), (P, L)
             loss = self.criterion(out, tokens, box_cells=cells)
         return BatchLoss(loss, len(batch.lengths), int(batch.lengths.sum()))
 

@@ -45,7 +45,8 @@ def concept_slots(vocab: Vocabulary, grouped: bool) -> Tensor:
 
 def detector_teacher(content: Tensor, slots: Tensor | None = None) -> Teacher:
     """The word detector's region scores (`out.concepts`, detached) for every content word, read at
-    each word's slot (`concept_slots`; None = its own id)."""
+    each word's slot (`concept_slots`; None = its own id). The pass must have scored the slot of every
+    word it wrote (`detector_outputs` does)."""
 
     def teach(out: DecoderOutput, words: Tensor) -> tuple[Tensor, Tensor]:
         if out.concepts is None:
@@ -53,6 +54,8 @@ def detector_teacher(content: Tensor, slots: Tensor | None = None) -> Teacher:
         keep = content.to(words.device)[words]  # (P,)
         photo = out.rows[out.caption[keep]]  # (P',)
         slot = words[keep] if slots is None else slots.to(words.device)[words[keep]]  # (P',)
+        if out.detected is not None:  # the column of each slot among the outputs the pass scored
+            slot = torch.searchsorted(out.detected.to(words.device), slot)
         return keep, out.concepts.detach().float()[photo, :, slot]  # (P', L)
 
     return teach
