@@ -128,8 +128,8 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
         for name, v in rows.items())
     spent = ", ".join(f"{k} {v:.1f} min" for k, v in minutes.items()) or "stages reused from an earlier run"
     recipe = (f"`configs/{args.config}.yaml`, then `configs/{args.scst_config}.yaml` self-critical fine-tuning from "
-              f"its best checkpoint" if args.scst_config else f"`configs/{args.config}.yaml`, cross-entropy only: "
-              f"`--scst-config ''`")
+              f"its best checkpoint" if args.scst_config else f"`configs/{args.config}.yaml`, cross-entropy only "
+              f"(`--scst-config ''`)")
     path.write_text(f"""# Model card: captioner Flickr8k ({which})
 
 **What it is.** An image captioner with Bahdanau attention: a frozen {encoder["name"]} (ImageNet
@@ -144,8 +144,8 @@ official dev list (970 photos). English captions, mostly of people and dogs outd
 describe those well and anything else (indoor scenes, objects, text) poorly, and to repeat the
 biases of its captions (it says "man" and "woman" from appearance). Not for decisions about people.
 
-**Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR` ({recipe}), on a 2-core
-CPU: {spent}.
+**Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR`:
+{recipe}, on a 2-core CPU: {spent}.
 
 **Scores on the Flickr8k dev list** (970 photos, beam {beam}; grounding: the pointing game over the words
 that name a hand-boxed object of 140 dev photos, with the photo-centre and even-map baselines in
