@@ -68,6 +68,17 @@ def row(report: dict) -> dict[str, float]:
     return out
 
 
+def training_commands(args: argparse.Namespace, xent: Path, scst: Path) -> dict[str, list[str]]:
+    """The `captioner` arguments of the training stages: the feature cache (`prepare`, with the
+    cross-entropy run's overrides, so it fills the cache that run reads), cross-entropy, SCST."""
+    data = str(args.data)
+    return {"cache": ["prepare", "--config", args.config, "--data", data, *args.overrides],
+            "xent": ["train", "--config", args.config, "--data", data, "--out", str(xent), "--overwrite",
+                     *args.overrides],
+            "scst": ["train", "--config", args.scst_config, "--init", str(xent / "best.pt"), "--data", data,
+                     "--out", str(scst), "--overwrite"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     out, data = Path(args.out), Path(args.data)
@@ -77,16 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     xent, scst = out / "xent", out / "scst"
     minutes: dict[str, float] = {}
+    commands = training_commands(args, xent, scst)
     if not (xent / "best.pt").exists():
-        minutes["cache"] = stage("cache", CAPTIONER + ["prepare", "--config", args.config, "--data", str(data),
-                                                       "--out", str(xent)], env, out / "prepare.log") / 60
-        minutes["xent"] = stage("cross-entropy", CAPTIONER + ["train", "--config", args.config, "--data", str(data),
-                                                              "--out", str(xent), "--overwrite", *args.overrides],
-                                env, out / "xent.log") / 60
+        minutes["cache"] = stage("cache", CAPTIONER + commands["cache"], env, out / "prepare.log") / 60
+        minutes["xent"] = stage("cross-entropy", CAPTIONER + commands["xent"], env, out / "xent.log") / 60
     if args.scst_config and not (scst / "best.pt").exists():
-        minutes["scst"] = stage("scst", CAPTIONER + ["train", "--config", args.scst_config, "--init",
-                                                     str(xent / "best.pt"), "--data", str(data), "--out", str(scst),
-                                                     "--overwrite"], env, out / "scst.log") / 60
+        minutes["scst"] = stage("scst", CAPTIONER + commands["scst"], env, out / "scst.log") / 60
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     decode = load_config(args.config).decode
     decoding = [part for key, flag in DECODE_FLAGS.items() for part in (flag, str(getattr(decode, key)))]
