@@ -2,19 +2,9 @@
 their validation images (two seeds of one fold) are resampled together, not as independent folds."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "compare_runs.py"
-
-
-def _compare_runs():
-    spec = importlib.util.spec_from_file_location("compare_runs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts_under_test import load_script
 
 
 def _interval(row: str) -> tuple[float, float]:
@@ -23,7 +13,7 @@ def _interval(row: str) -> tuple[float, float]:
 
 
 def test_runs_on_the_same_images_do_not_narrow_the_interval():
-    row = _compare_runs()._row
+    row = load_script("compare_runs")._row
     rng = np.random.default_rng(1)
     a = rng.uniform(0.2, 0.8, 100)  # per-image CIDEr-D of A and B on one fold
     b = a * rng.uniform(0.8, 1.3, 100)

@@ -2,25 +2,14 @@
 the cache stage fills the cache the cross-entropy run reads (the same config and overrides)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from captioner.cli import build_parser
-
-SCRIPT = Path(__file__).parents[1] / "scripts" / "flickr8k.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("flickr8k_recipe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts_under_test import load_script
 
 
 def test_every_training_stage_is_a_command_the_cli_accepts(tmp_path):
-    script = _script()
+    script = load_script("flickr8k")
     args = script.get_args_parser().parse_args(["--data", str(tmp_path / "flickr8k"), "model.encoder.image_size=256"])
     commands = script.training_commands(args, tmp_path / "xent", tmp_path / "scst")
     assert set(commands) == {"cache", "xent", "scst"}
