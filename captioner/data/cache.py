@@ -26,6 +26,7 @@ records it, so the next run finds it by stat again). `captioner.data.cache_build
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -123,15 +124,17 @@ class FeatureCache:
             if images is not None:
                 shards.append((index.stem, images))
         cache = cls(folder, key, grid, dim, shards)
-        first = {name: sum(cache._counts[:s]) for s, name in enumerate(cache._shards)}  # shard -> its first row
+        starts = itertools.accumulate(cache._counts, initial=0)
+        span = {name: (first, count) for name, first, count in zip(cache._shards, starts, cache._counts)}
         for record in sorted(folder.glob(ALIAS_GLOB)):
             try:
                 meta = json.loads(record.read_text())
                 if meta.get("version") != VERSION or meta.get("key") != key:
                     continue
                 for path, size, mtime, digest, shard, r in meta["images"]:
-                    if shard in first and 0 <= int(r) < cache._counts[cache._shards.index(shard)]:
-                        row = first[shard] + int(r)
+                    first, count = span.get(shard, (0, 0))  # a shard skipped as unreadable has no rows
+                    if 0 <= int(r) < count:
+                        row = first + int(r)
                         if row >= cache._rows.get(path, (-1,))[0]:  # an alias never hides a newer encoding
                             cache._add((str(path), int(size), int(mtime)), row, str(digest))
             except (OSError, ValueError, KeyError, TypeError):

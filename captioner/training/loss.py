@@ -189,7 +189,7 @@ class CaptionCriterion:
         return self.loss(out, tokens, box_cells=box_cells)
 
     def detector_outputs(self, tokens: Tensor) -> Tensor | bool:
-        if self.vocab_size is None or self.negatives < 0 or self.negatives + 4 >= self.vocab_size:
+        if self.vocab_size is None or self.negatives + 4 >= self.vocab_size:
             return True
         return detector_outputs(tokens, self.slots, self.vocab_size, self.negatives)
 
