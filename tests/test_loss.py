@@ -155,6 +155,9 @@ def test_a_concept_weight_needs_the_detector():
         Config(train=TrainConfig(concept_weight=1.0))
     Config(train=TrainConfig(concept_weight=1.0), model=ModelConfig(decoder=dataclasses.replace(
         ModelConfig().decoder, concepts=True)))
+    with pytest.raises(ConfigError, match=r"'detector\+clothing' needs the ImageNet classifier"):
+        Config(train=TrainConfig(concept_teacher="detector+clothing"),
+               model=ModelConfig(encoder=dataclasses.replace(ModelConfig().encoder, name="resnet50")))
 
 
 def test_imagenet_teacher_maps_a_word_by_the_classifier_at_each_region():
@@ -270,3 +273,81 @@ def test_a_cross_entropy_step_trains_only_the_detector_outputs_it_scored():
     assert {10, 11, 12} <= scored and len(scored) <= 6
     trained = {i for i in range(len(vocab)) if dec.concepts.weight.grad[i].abs().sum() > 0}
     assert trained == scored
+
+
+def test_the_clothing_prior_finds_where_people_wear_things_and_computes_each_photo_once():
+    """A toy classifier of 2-d region features: class 610 (a jersey) fires on feature 0, a dog breed on
+    feature 1. The prior's log P(clothing) is highest where feature 0 is; a photo given its id is
+    computed once (a cached grid never changes), a grid without an id every time."""
+    from captioner.training.teachers import ClothingPrior
+
+    weight, bias = torch.zeros(1000, 2), torch.zeros(1000)
+    weight[610, 0] = weight[151, 1] = 8.0
+    prior = ClothingPrior(weight, bias)
+    grid = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]]])  # (N=1, L=3, D=2): dog, jersey, nothing
+    logp = prior(grid, torch.tensor([7]))
+    assert logp.shape == (1, 3) and int(logp.argmax()) == 1 and float(logp.max()) > math.log(0.5)
+    expected = torch.log_softmax(grid @ weight.T + bias, -1)[..., list(prior.clothing)].logsumexp(-1)
+    torch.testing.assert_close(logp, expected)
+    other = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]])  # another photo's grid...
+    torch.testing.assert_close(prior(other, torch.tensor([7])), logp)  # ...under photo 7's id: kept
+    assert int(prior(other, torch.tensor([8])).argmax()) == 0 and int(prior(other).argmax()) == 0
+
+
+def test_the_clothing_teacher_moves_a_persons_map_onto_what_people_wear_and_no_other_word():
+    """The detector finds "man" on region 0 (the street people stand on) and "dog" on region 2; the
+    classifier sees clothing on region 1. With the prior the teacher's map for "man" peaks on region 1;
+    "dog" keeps its detector map; without the prior "man" stays on the street."""
+    from captioner.data.vocab import Vocabulary
+    from captioner.training.teachers import ClothingPrior, content_words, detector_teacher, person_words
+
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "man", "dog"])
+    assert person_words(vocab).tolist() == [False] * 4 + [True, False]
+    weight, bias = torch.zeros(1000, 2), torch.zeros(1000)
+    weight[834, 0] = 8.0  # a suit: feature 0
+    grid = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])  # (1, L=3, 2)
+    concepts = torch.zeros(1, 3, 6)
+    concepts[0, 0, 4] = 2.0  # "man" fires on the street...
+    concepts[0, 1, 4] = 1.0  # ...and a little on the person
+    concepts[0, 2, 5] = 3.0  # "dog"
+    tokens = torch.tensor([[1, 4, 5, 2]])  # <start> man dog <end>
+    out = DecoderOutput(torch.zeros(3, 6), torch.full((3, 3), 1 / 3), torch.zeros(3, dtype=torch.long),
+                        torch.arange(3), torch.zeros(1, dtype=torch.long), concepts, grid)
+    content = content_words(vocab)
+    keep, plain = detector_teacher(content)(out, tokens[0, 1:])
+    keep2, primed = detector_teacher(content, None, person_words(vocab), ClothingPrior(weight, bias))(
+        out, tokens[0, 1:], torch.tensor([3]))
+    assert keep.tolist() == keep2.tolist() == [True, True, False]
+    assert int(plain[0].argmax()) == 0 and int(primed[0].argmax()) == 1  # man: the street -> the suit
+    torch.testing.assert_close(primed[1], plain[1])  # dog: untouched
+
+
+def test_a_cross_entropy_step_tells_the_teacher_which_photo_each_cached_grid_is():
+    """Cached grids carry their image ids to the criterion: row n of the batch's grids is photo
+    images[n], so a teacher can keep what it computed of a photo."""
+    from captioner.config import DecoderConfig, TrainConfig
+    from captioner.data.datasets import Batch
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.decoder import AttentionDecoder
+    from captioner.training.loss import build_criterion
+    from captioner.training.objective import CrossEntropy
+
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "a", "b"])
+    train = TrainConfig()
+    loss, seen = build_criterion(train, vocab), []
+
+    class Spy:
+        def detector_outputs(self, tokens):
+            return False
+
+        def __call__(self, out, tokens, box_cells=None, images=None):
+            seen.append(images)
+            return loss(out, tokens)
+
+    dec = AttentionDecoder(len(vocab), 4, DecoderConfig(embed_dim=4, hidden_dim=4, attention_dim=4, dropout=0.0),
+                           grid=(1, 2))
+    tokens = torch.tensor([[1, 4, 2], [1, 5, 2], [1, 4, 2]])
+    batch = Batch(torch.randn(2, 2, 4), tokens, torch.tensor([2, 2, 2]), torch.tensor([9, 4, 9]),
+                  torch.tensor([1, 0, 1]))
+    CrossEntropy(dec, train, Spy(), torch.device("cpu")).loss(batch)
+    assert seen[0].tolist() == [4, 9]

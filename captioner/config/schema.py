@@ -174,8 +174,9 @@ class TrainConfig(_Section):
     # (model.decoder.concepts); the detector itself learns from which words a photo's captions use
     concept_weight: float = 0.0
     # where a word is: "detector" = the decoder's own word detector (model.decoder.concepts), for every
-    # content word; "imagenet" = the encoder's ImageNet classifier per region, for the words it has classes for
-    concept_teacher: Literal["detector", "imagenet"] = "detector"
+    # content word; "detector+clothing" = the same, a person's map weighted by where the encoder's ImageNet
+    # classifier sees what people wear; "imagenet" = the classifier per region, for the words it has classes for
+    concept_teacher: Literal["detector", "detector+clothing", "imagenet"] = "detector"
     # the detector learns one output per kind of thing (man, woman, boy... -> person), from every photo
     # whose captions name it however they call it, and teaches each word its kind's map
     concept_groups: bool = False
@@ -238,10 +239,11 @@ class Config(_Section):
     decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def __post_init__(self) -> None:
-        if self.train.concept_weight and self.train.concept_teacher == "detector" and not self.model.decoder.concepts:
+        teacher = self.train.concept_teacher
+        if self.train.concept_weight and teacher.startswith("detector") and not self.model.decoder.concepts:
             raise ConfigError("config key 'train.concept_weight': needs the word detector, model.decoder.concepts: true")
-        if self.train.concept_teacher == "imagenet" and not self.model.encoder.name.startswith("efficientnet_lite"):
-            raise ConfigError(f"config key 'train.concept_teacher': 'imagenet' needs the ImageNet classifier of an "
+        if teacher != "detector" and not self.model.encoder.name.startswith("efficientnet_lite"):
+            raise ConfigError(f"config key 'train.concept_teacher': {teacher!r} needs the ImageNet classifier of an "
                               f"EfficientNet-Lite encoder, not {self.model.encoder.name!r}")
         if self.data.augment and self.data.use_cache and self.model.encoder.trainable_stages == 0:
             raise ConfigError("config key 'data.augment': true has no effect with the feature cache of a frozen "

@@ -2,7 +2,8 @@
 encoder's own classifier (`train.concept_teacher: imagenet`). A word in the table is located on any
 photo by the class activation map of its classes (Zhou et al. 2016): the classifier applied to each
 region of the grid instead of to their mean. People, the commonest thing in captions, have no
-ImageNet class; nor have grass, water or snow.
+ImageNet class; nor have grass, water or snow. What people wear has classes: `CLOTHING` says where a
+person is likely (`train.concept_teacher: detector+clothing`).
 """
 from __future__ import annotations
 
@@ -53,3 +54,12 @@ IMAGENET_WORDS: dict[str, tuple[int, ...]] = {
     **dict.fromkeys(("bridge", "bridges"), (821, 839, 888)),
     **dict.fromkeys(("mask", "masks"), (643, 796)),
 }
+
+# What people wear (jersey, suit, bikini, jean, cowboy hat, crash helmet, sunglasses, running shoe...)
+# and the three classes that are people (ballplayer, groom, scuba diver): a region the classifier
+# takes for one of these likely shows a person. Chosen from the class names alone.
+CLOTHING: tuple[int, ...] = (
+    399, 400, 411, 433, 443, 445, 451, 452, 457, 459, 465, 474, 514, 515, 518, 529, 560, 568, 578, 601,
+    608, 610, 614, 617, 638, 639, 652, 655, 658, 667, 689, 697, 735, 770, 774, 775, 796, 806, 808, 824,
+    834, 836, 837, 841, 842, 869, 887, 903, 906, 981, 982, 983,
+)

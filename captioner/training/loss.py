@@ -17,7 +17,8 @@ from captioner.config import TrainConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
 from captioner.training.boxes import box_attention
-from captioner.training.teachers import ImageNetTeacher, Teacher, concept_slots, content_words, detector_teacher
+from captioner.training.teachers import (ClothingPrior, ImageNetTeacher, Teacher, concept_slots, content_words,
+                                         detector_teacher, person_words)
 
 
 class LossOutput(NamedTuple):
@@ -32,8 +33,10 @@ class LossOutput(NamedTuple):
 class Criterion(Protocol):
     """A run's training loss of a packed pass (`build_criterion`)."""
 
-    def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None) -> LossOutput:
-        """(packed output, (B, T + 1) tokens, (B, T, L) bool box cells or None) -> the loss terms."""
+    def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None,
+                 images: Tensor | None = None) -> LossOutput:
+        """(packed output, (B, T + 1) tokens, (B, T, L) bool box cells or None, (N,) image ids of the
+        pass's cached grids or None) -> the loss terms."""
 
     def detector_outputs(self, tokens: Tensor) -> Tensor | bool:
         """The word detector outputs the decoder must score for a batch of (B, T + 1) captions
@@ -51,6 +54,7 @@ def caption_loss(
     slots: Tensor | None = None,
     box_cells: Tensor | None = None,
     box_weight: float = 0.0,
+    images: Tensor | None = None,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -71,6 +75,8 @@ def caption_loss(
         slots: (V,) the detector output of each word (`concept_slots`); None = its own.
         box_cells: (B, T, L) bool, the cells of the boxed object each position's word names
             (`BoxTargets.cells`); with `box_weight`, those words' maps are pulled into them.
+        images: (N,) int64 the image id of each of the pass's grids when they are a frozen encoder's
+            cached ones (a teacher may keep what it computed of a photo), else None.
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
@@ -89,7 +95,7 @@ def caption_loss(
         total = total + concept_detection(out.concepts, tokens, out.rows, slots, out.detected)
     if concept_weight:
         teach = teacher or detector_teacher(torch.arange(out.logits.size(-1)) >= 4)
-        total = total + concept_weight * concept_attention(out, targets, teach)
+        total = total + concept_weight * concept_attention(out, targets, teach, images)
     if box_weight and box_cells is not None:
         box = box_attention(out, box_cells)
         total = total + box_weight * box
@@ -145,14 +151,15 @@ def detector_outputs(tokens: Tensor, slots: Tensor | None, vocab_size: int, nega
     return ids[ids >= 4]
 
 
-def concept_attention(out: DecoderOutput, targets: Tensor, teacher: Teacher) -> Tensor:
+def concept_attention(out: DecoderOutput, targets: Tensor, teacher: Teacher, images: Tensor | None = None) -> Tensor:
     """Cross-entropy from the teacher's map of each word it knows (softmax over regions, detached:
     the teacher is not pulled towards the student) to the attention of the step writing that word.
 
     Args:
         out: the packed pass. targets: (P,) the word each position writes. teacher: see `Teacher`.
+        images: (N,) the image ids of the pass's cached grids, or None (see `caption_loss`).
     """
-    keep, scores = teacher(out, targets)  # (P,), (P', L)
+    keep, scores = teacher(out, targets, images)  # (P,), (P', L)
     if not bool(keep.any()):
         return out.alphas.new_zeros(())
     target = torch.softmax(scores.detach(), dim=-1)  # (P', L)
@@ -171,6 +178,10 @@ def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | Non
         if encoder is None:
             raise ValueError("the ImageNet teacher needs the run's encoder name")
         return ImageNetTeacher.for_encoder(encoder, vocab)
+    if cfg.concept_teacher == "detector+clothing":
+        if encoder is None:
+            raise ValueError("the clothing prior needs the run's encoder name")
+        return detector_teacher(content_words(vocab), slots, person_words(vocab), ClothingPrior.for_encoder(encoder))
     return detector_teacher(content_words(vocab), slots)
 
 
@@ -185,8 +196,9 @@ class CaptionCriterion:
             box_weight=cfg.box_weight)
         self.slots, self.vocab_size, self.negatives = slots, vocab_size, cfg.concept_negatives
 
-    def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None) -> LossOutput:
-        return self.loss(out, tokens, box_cells=box_cells)
+    def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None,
+                 images: Tensor | None = None) -> LossOutput:
+        return self.loss(out, tokens, box_cells=box_cells, images=images)
 
     def detector_outputs(self, tokens: Tensor) -> Tensor | bool:
         if self.vocab_size is None or self.negatives + 4 >= self.vocab_size:

@@ -94,10 +94,13 @@ class CrossEntropy:
         lengths = batch.lengths.to(device, non_blocking=True)  # (B,)
         rows = batch.rows.to(device, non_blocking=True)  # (B,) each caption's image
         cells = None if self.boxes is None else self.boxes.cells(batch.tokens, batch.image_ids)  # (B, T, L) bool
+        images = None  # the image id of each cached grid (N,): what a teacher computes of a photo can be kept
+        if batch.inputs.dim() == 3:
+            images = torch.empty(inputs.size(0), dtype=torch.long).index_put_((batch.rows,), batch.image_ids).to(device)
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             out = self.net(inputs, tokens, lengths, rows, sampling_prob=self.sampling_prob,
                            detect=self.criterion.detector_outputs(tokens))  # packed: (P, V), (P, L)
-            loss = self.criterion(out, tokens, box_cells=cells)
+            loss = self.criterion(out, tokens, box_cells=cells, images=images)
         return BatchLoss(loss, len(batch.lengths), int(batch.lengths.sum()))
 
     def log(self, means: Mapping[str, float], seconds: float) -> dict[str, float]:

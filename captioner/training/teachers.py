@@ -2,9 +2,12 @@
 content word's map towards (`train.concept_weight`, `train.concept_teacher`).
 
     detector_teacher(content)          the decoder's own word detector (multiple-instance learning)
+    detector_teacher(content, people, ClothingPrior(...))
+                                       the same, a person's map weighted by where the classifier sees clothes
     ImageNetTeacher(weights, vocab)    the encoder's ImageNet classifier, per region (class activation maps)
 
-A teacher takes the packed decoder output and the word of each position (P,) and returns which
+A teacher takes the packed decoder output, the word of each position (P,) and the image ids of the
+pass's grids (N,) (None when the grids are not a frozen encoder's cached ones) and returns which
 positions it teaches (P,) bool and, for those, a score per region (P', L) whose softmax is the map
 to pull towards. Shapes: N photos, L regions, D encoder width, V vocabulary, C = 1000 classes.
 """
@@ -19,9 +22,10 @@ from captioner.config import ConfigError
 from captioner.data.boxes import COCO_WORDS
 from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
 from captioner.model.decoder import DecoderOutput
-from captioner.model.imagenet_words import IMAGENET_WORDS
+from captioner.model.imagenet_words import CLOTHING, IMAGENET_WORDS
 
-Teacher = Callable[[DecoderOutput, Tensor], tuple[Tensor, Tensor]]  # (out, words (P,)) -> (keep (P,), scores (P', L))
+# (out, words (P,), image ids of out's grids (N,) or None) -> (keep (P,), scores (P', L))
+Teacher = Callable[[DecoderOutput, Tensor, "Tensor | None"], tuple[Tensor, Tensor]]
 
 
 def content_words(vocab: Vocabulary) -> Tensor:
@@ -43,12 +47,21 @@ def concept_slots(vocab: Vocabulary, grouped: bool) -> Tensor:
     return slots
 
 
-def detector_teacher(content: Tensor, slots: Tensor | None = None) -> Teacher:
+def person_words(vocab: Vocabulary) -> Tensor:
+    """(V,) bool: the words that name a person (COCO's person category: man, woman, boy, people...)."""
+    return torch.tensor([vocab.word(i) in COCO_WORDS["person"] for i in range(len(vocab))])
+
+
+def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tensor | None = None,
+                     prior: ClothingPrior | None = None) -> Teacher:
     """The word detector's region scores (`out.concepts`, detached) for every content word, read at
     each word's slot (`concept_slots`; None = its own id). The pass must have scored the slot of every
-    word it wrote (`detector_outputs` does)."""
+    word it wrote (`detector_outputs` does). With `prior`, the scores of the words `people` (V,) bool
+    names get its log P(clothing) added: the teacher's map is the detector's times the classifier's
+    probability that a region shows what people wear, renormalised. The detector alone learns "a
+    photo with people" as readily from the street they stand on as from them."""
 
-    def teach(out: DecoderOutput, words: Tensor) -> tuple[Tensor, Tensor]:
+    def teach(out: DecoderOutput, words: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if out.concepts is None:
             raise ValueError("the detector teacher needs model.decoder.concepts")
         keep = content.to(words.device)[words]  # (P,)
@@ -56,9 +69,58 @@ def detector_teacher(content: Tensor, slots: Tensor | None = None) -> Teacher:
         slot = words[keep] if slots is None else slots.to(words.device)[words[keep]]  # (P',)
         if out.detected is not None:  # the column of each slot among the outputs the pass scored
             slot = torch.searchsorted(out.detected.to(words.device), slot)
-        return keep, out.concepts.detach().float()[photo, :, slot]  # (P', L)
+        scores = out.concepts.detach().float()[photo, :, slot]  # (P', L)
+        if prior is not None and people is not None:
+            person = people.to(words.device)[words[keep]]  # (P',)
+            if bool(person.any()):
+                if out.grid is None:
+                    raise ValueError("the clothing prior needs the encoder's grid in the decoder output")
+                needed, where = torch.unique(photo[person], return_inverse=True)  # (N',), (P'',)
+                logp = prior(out.grid[needed], None if images is None else images[needed])  # (N', L)
+                scores[person] += logp[where]
+        return keep, scores
 
     return teach
+
+
+class ClothingPrior:
+    """Where people are, by what they wear: log P(clothing | region), the summed probability of the
+    `CLOTHING` classes under the encoder's ImageNet classifier applied to each region alone (softmax
+    over all C classes). A photo's prior is kept by image id once computed: a frozen encoder's cached
+    grid never changes, and the (N·L, D) x (D, C) product would cost half a 12x12 training step."""
+
+    def __init__(self, weight: Tensor, bias: Tensor) -> None:
+        """weight (C, D), bias (C,): the classifier."""
+        self.weight, self.bias = weight.float(), bias.float()
+        self.clothing = torch.tensor(CLOTHING)
+        self.known: dict[int, Tensor] = {}  # image id -> (L,) log P(clothing)
+
+    @classmethod
+    def for_encoder(cls, name: str) -> ClothingPrior:
+        from captioner.model.weights import LITE_NAMES, efficientnet_lite_state_dict
+
+        if name not in LITE_NAMES:
+            raise ConfigError(f"config key 'train.concept_teacher': 'detector+clothing' needs the classifier of an "
+                              f"EfficientNet-Lite encoder ({', '.join(LITE_NAMES)}), not {name!r}")
+        state = efficientnet_lite_state_dict(name)
+        return cls(state["classifier.weight"], state["classifier.bias"])
+
+    def __call__(self, grid: Tensor, images: Tensor | None = None) -> Tensor:
+        """(N, L, D) grids -> (N, L) log P(clothing) at each region. `images` (N,) int64: the grids'
+        image ids, to compute each photo once (None: compute all, keep nothing)."""
+        if images is None:
+            return self._compute(grid.detach())
+        ids = images.tolist()
+        todo = [n for n, i in enumerate(ids) if i not in self.known]
+        if todo:
+            for n, row in zip(todo, self._compute(grid.detach()[todo]).cpu()):
+                self.known[ids[n]] = row
+        return torch.stack([self.known[i] for i in ids]).to(grid.device)  # (N, L)
+
+    def _compute(self, grid: Tensor) -> Tensor:
+        w, b = self.weight.to(grid.device), self.bias.to(grid.device)
+        logp = torch.log_softmax(grid.float() @ w.T + b, dim=-1)  # (N, L, C)
+        return logp[..., self.clothing.to(grid.device)].logsumexp(dim=-1)  # (N, L)
 
 
 class ImageNetTeacher:
@@ -85,7 +147,7 @@ class ImageNetTeacher:
         state = efficientnet_lite_state_dict(name)
         return cls(state["classifier.weight"], state["classifier.bias"], vocab)
 
-    def __call__(self, out: DecoderOutput, words: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, out: DecoderOutput, words: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if out.grid is None:
             raise ValueError("the ImageNet teacher needs the encoder's grid in the decoder output")
         device = out.grid.device
