@@ -222,6 +222,24 @@ def test_no_checkpoint_uses_the_bundled_model_and_else_says_to_pass_one(exported
     assert error.startswith("captioner: error: no model given and none bundled") and "pass --checkpoint" in error
 
 
+def test_visualize_without_a_checkpoint_draws_the_bundled_models_maps(exported, tmp_path):
+    """`captioner visualize photo -o out.png` with no --checkpoint draws the bundled model's caption
+    (the one `caption` prints) and its maps; --relevance, which needs the torch decoder's gradients,
+    is refused in one line before anything loads."""
+    _, report = exported
+    image = tmp_path / "photo.png"
+    _images(1)[0].save(image)
+    picture = tmp_path / "maps.png"
+    drawn = _cli("visualize", str(image), "-o", str(picture), bundled=report.folder)
+    assert drawn.returncode == 0, drawn.stderr
+    caption = _cli("caption", str(image), bundled=report.folder)
+    assert drawn.stdout.splitlines()[0] == caption.stdout.strip() and picture.stat().st_size > 0
+    refused = _cli("visualize", str(image), "-o", str(tmp_path / "r.png"), "--relevance", bundled=report.folder)
+    assert refused.returncode == 2 and not (tmp_path / "r.png").exists()
+    (error, _) = refused.stderr.strip().splitlines()
+    assert error.startswith("captioner: error: --relevance needs the decoder's gradients: use --checkpoint CKPT")
+
+
 def test_a_damaged_export_is_one_line(exported, tmp_path):
     _, report = exported
     damaged = tmp_path / "damaged"

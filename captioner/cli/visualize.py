@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from captioner.cli.common import (add_decode_options, add_device, add_runtime, add_text, decode_overrides,
-                                  load_captioner, word_logprobs)
+                                  load_captioner, use_bundled_model, word_logprobs)
 from captioner.errors import CaptionerError
 from captioner.files import writable_dir, writable_file
 
@@ -14,7 +14,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("visualize", help="draw where the model looked for every word")
     add_device(p)
     p.add_argument("image", metavar="IMG", help="the image to caption")
-    add_decode_options(p)
+    add_decode_options(p, bundled=True)
     add_runtime(p)
     add_text(p, "draw where the model would look for")
     p.add_argument("-o", "--out", required=True, help="PNG to write: the photo, then one panel per word")
@@ -43,8 +43,13 @@ def run(args: argparse.Namespace) -> int:
         writable_dir(args.per_word, "folder for the per-word pictures")
     if not 0 <= args.opacity <= 1:
         raise CaptionerError(f"--opacity must be in [0, 1], got {args.opacity}")
+    bundled = args.checkpoint is None
+    if bundled:
+        use_bundled_model(args)  # an ONNX export
     if args.relevance and args.runtime == "onnx":
-        raise CaptionerError("--relevance needs the decoder's gradients: use --runtime torch")
+        what = ("--checkpoint CKPT (a checkpoint of `captioner train`): the bundled model runs on ONNX" if bundled
+                else "--runtime torch")
+        raise CaptionerError(f"--relevance needs the decoder's gradients: use {what}")
     objects = None
     if args.boxes:
         from pathlib import Path
