@@ -200,49 +200,6 @@ def test_grouped_concepts_share_one_detector_output():
     assert concept_detection(scores, tokens, rows) > 1.0  # ungrouped, the "woman" output never fired
 
 
-def test_own_word_outputs_tell_a_man_from_a_woman_of_one_photo():
-    """`train.concept_own_words`: beside the person output, "woman" trains its own output (present
-    where the captions say woman, absent where they say only man), the batch scores both, and the
-    teacher gives "man" the person map and "woman" the person map plus her own: two people of one
-    photo are taught two maps."""
-    from captioner.config import ConfigError, load_config
-    from captioner.data.vocab import Vocabulary
-    from captioner.model.decoder import DecoderOutput
-    from captioner.training.loss import concept_detection, detector_outputs
-    from captioner.training.teachers import concept_slots, detector_teacher
-
-    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "grass", "man", "woman", "dog", "puppy"])
-    man, woman = vocab.id("man"), vocab.id("woman")
-    slots = concept_slots(vocab, grouped=True)
-    tokens = torch.tensor([[1, man, 2], [1, woman, 2]])  # photo 0: "man"; photo 1: "woman"
-    rows = torch.tensor([0, 1])
-    assert set(detector_outputs(tokens, slots, len(vocab), negatives=0, own=True).tolist()) == {man, woman}
-    assert set(detector_outputs(tokens, slots, len(vocab), negatives=0).tolist()) == {man}
-    L = 3
-    scores = torch.full((2, L, 9), -8.0)
-    scores[:, 1, man] = 8.0  # a person in region 1 of both photos
-    scores[1, 2, woman] = 8.0  # "woman" fires in region 2 of photo 1 only: right
-    right = concept_detection(scores, tokens, rows, slots, own=True)
-    scores[0, 2, woman] = 8.0  # ...and in photo 0, whose captions say only "man": wrong
-    assert concept_detection(scores, tokens, rows, slots, own=True) > right + 0.5
-    assert concept_detection(scores, tokens, rows, slots) == pytest.approx(right.item(), abs=0.1)  # without: no "woman" output
-
-    concepts = torch.zeros(1, L, 9)
-    concepts[0, 0, man] = 3.0  # the person output: region 0
-    concepts[0, 2, woman] = 5.0  # the woman output: region 2
-    out = DecoderOutput(torch.zeros(2, 9), torch.full((2, L), 1 / L), torch.tensor([0, 0]), torch.tensor([0, 1]),
-                        rows=torch.tensor([0]), concepts=concepts)
-    content = torch.tensor([i >= 4 for i in range(9)])
-    words = torch.tensor([man, woman])
-    _, own = detector_teacher(content, slots, own=True)(out, words)
-    _, shared = detector_teacher(content, slots)(out, words)
-    assert own[0].argmax() == 0 and own[1].argmax() == 2  # man on the person, woman where she is
-    assert shared[0].argmax() == shared[1].argmax() == 0  # grouped alone: the same map twice
-    torch.testing.assert_close(own[0], shared[0])
-    with pytest.raises(ConfigError, match="concept_own_words.*concept_groups"):
-        load_config("flickr8k", ["train.concept_groups=false", "train.concept_own_words=true"])
-
-
 def test_the_detector_scores_the_batchs_words_and_a_sample_of_others():
     """`detector_outputs` names every output a batch's words stand for (grouped: "woman" trains the
     person output) plus drawn others; the decoder scores just those columns, and the detection loss

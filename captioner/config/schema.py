@@ -180,10 +180,6 @@ class TrainConfig(_Section):
     # the detector learns one output per kind of thing (man, woman, boy... -> person), from every photo
     # whose captions name it however they call it, and teaches each word its kind's map
     concept_groups: bool = False
-    # with concept_groups, a grouped word (woman, boy, puppy...) also keeps its own detector output, trained
-    # from the photos whose captions use that word, and its teacher map is its kind's scores plus its own:
-    # "a man and a woman" get two maps, not the person map twice
-    concept_own_words: bool = False
     # the detector outputs a step trains: the batch's words and this many others drawn at random
     # (-1 = all; all of a 2,500-word vocabulary at 12x12 regions is a third of a step)
     concept_negatives: int = 512
@@ -246,9 +242,6 @@ class Config(_Section):
         teacher = self.train.concept_teacher
         if self.train.concept_weight and teacher.startswith("detector") and not self.model.decoder.concepts:
             raise ConfigError("config key 'train.concept_weight': needs the word detector, model.decoder.concepts: true")
-        if self.train.concept_own_words and not self.train.concept_groups:
-            raise ConfigError("config key 'train.concept_own_words': true needs train.concept_groups: true (without "
-                              "groups every word already has its own detector output)")
         if teacher != "detector" and not self.model.encoder.name.startswith("efficientnet_lite"):
             raise ConfigError(f"config key 'train.concept_teacher': {teacher!r} needs the ImageNet classifier of an "
                               f"EfficientNet-Lite encoder, not {self.model.encoder.name!r}")

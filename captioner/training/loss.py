@@ -55,7 +55,6 @@ def caption_loss(
     box_cells: Tensor | None = None,
     box_weight: float = 0.0,
     images: Tensor | None = None,
-    own_words: bool = False,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -78,8 +77,6 @@ def caption_loss(
             (`BoxTargets.cells`); with `box_weight`, those words' maps are pulled into them.
         images: (N,) int64 the image id of each of the pass's grids when they are a frozen encoder's
             cached ones (a teacher may keep what it computed of a photo), else None.
-        own_words: with `slots`, a grouped word's own detector output is trained too
-            (`concept_detection`'s `own`).
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
@@ -95,7 +92,7 @@ def caption_loss(
         entropy = -(alphas * alphas.clamp_min(1e-12).log()).sum(dim=-1).mean()
     total = xent + coverage_weight * coverage + entropy_weight * entropy
     if out.concepts is not None:
-        total = total + concept_detection(out.concepts, tokens, out.rows, slots, out.detected, own_words)
+        total = total + concept_detection(out.concepts, tokens, out.rows, slots, out.detected)
     if concept_weight:
         teach = teacher or detector_teacher(torch.arange(out.logits.size(-1)) >= 4)
         total = total + concept_weight * concept_attention(out, targets, teach, images)
@@ -106,7 +103,7 @@ def caption_loss(
 
 
 def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Tensor | None = None,
-                      detected: Tensor | None = None, own: bool = False) -> Tensor:
+                      detected: Tensor | None = None) -> Tensor:
     """Multiple-instance learning of the word detector: a photo shows word w when some region does,
     p(w) = 1 - prod_regions (1 - sigmoid(s_lw)) (noisy-OR), trained with binary cross-entropy against
     the words of the photo's captions in the batch (<pad>/<start>/<end>/<unk> excluded).
@@ -116,28 +113,22 @@ def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Ten
         slots: (V,) the output standing for each word (words of a group share one); None = its own.
             Only the outputs some word stands for are trained.
         detected: (K,) the outputs `concepts` holds (`DecoderOutput.detected`); None = all, K = V.
-        own: with `slots`, every word's own output is trained as well, present where the captions
-            use that very word ("woman" learns what sets a woman apart; the person output, all people).
     """
     N, _, K = concepts.shape
     outputs = torch.arange(K, device=concepts.device) if detected is None else detected.to(concepts.device)  # (K,)
     slot = tokens if slots is None else slots.to(tokens.device)[tokens]  # (B, T + 1)
-    named = (slot[:, :, None] == outputs).any(dim=1)  # (B, K): caption b uses output k
-    if own and slots is not None:
-        named |= (tokens[:, :, None] == outputs).any(dim=1)  # ... or the word whose own output k is
-    named = named.float()
+    named = (slot[:, :, None] == outputs).any(dim=1).float()  # (B, K): caption b uses output k
     present = torch.zeros(N, K, device=concepts.device).index_add_(0, rows, named).clamp_(max=1.0)  # (N, K)
     log_absent = -F.softplus(concepts.float()).sum(dim=1)  # (N, K) log prod (1 - sigmoid) = log(1 - p)
     log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))  # (N, K) log p
     nll = -(present * log_present + (1 - present) * log_absent)  # (N, K)
     used = outputs >= 4  # the four special ids are never words of a photo
-    if slots is not None and not own:
+    if slots is not None:
         used &= slots.to(concepts.device)[outputs] == outputs
     return nll[:, used].mean()
 
 
-def detector_outputs(tokens: Tensor, slots: Tensor | None, vocab_size: int, negatives: int,
-                     own: bool = False) -> Tensor | bool:
+def detector_outputs(tokens: Tensor, slots: Tensor | None, vocab_size: int, negatives: int) -> Tensor | bool:
     """The word detector outputs a batch trains (`concept_detection`), for the decoder's `detect`:
     the slot of every word the batch's captions use (the outputs the teacher reads, and each other
     photo of the batch is a negative for them) and about `negatives` others drawn at random, so that
@@ -147,7 +138,6 @@ def detector_outputs(tokens: Tensor, slots: Tensor | None, vocab_size: int, nega
     Args:
         tokens: (B, T + 1) the batch's captions. slots: (V,) the output of each word (None = its own).
         negatives: how many outputs to draw beside the batch's; < 0 = all (returns True).
-        own: the words' own outputs too, beside their slots (`train.concept_own_words`).
     Returns:
         (K,) ascending int64 ids, or True (all V).
     """
@@ -156,8 +146,7 @@ def detector_outputs(tokens: Tensor, slots: Tensor | None, vocab_size: int, nega
     drawn = torch.randint(4, vocab_size, (negatives,), device=tokens.device)  # (negatives,)
     ids = torch.cat([tokens.flatten(), drawn])
     if slots is not None:
-        slot = slots.to(tokens.device)[ids]
-        ids = torch.cat([slot, ids]) if own else slot
+        ids = slots.to(tokens.device)[ids]
     ids = torch.unique(ids)  # (K,) ascending
     return ids[ids >= 4]
 
@@ -192,9 +181,8 @@ def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | Non
     if cfg.concept_teacher == "detector+clothing":
         if encoder is None:
             raise ValueError("the clothing prior needs the run's encoder name")
-        return detector_teacher(content_words(vocab), slots, person_words(vocab), ClothingPrior.for_encoder(encoder),
-                                own=cfg.concept_own_words)
-    return detector_teacher(content_words(vocab), slots, own=cfg.concept_own_words)
+        return detector_teacher(content_words(vocab), slots, person_words(vocab), ClothingPrior.for_encoder(encoder))
+    return detector_teacher(content_words(vocab), slots)
 
 
 class CaptionCriterion:
@@ -205,9 +193,8 @@ class CaptionCriterion:
         self.loss = functools.partial(
             caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher, slots=slots,
-            box_weight=cfg.box_weight, own_words=cfg.concept_own_words)
+            box_weight=cfg.box_weight)
         self.slots, self.vocab_size, self.negatives = slots, vocab_size, cfg.concept_negatives
-        self.own = cfg.concept_own_words
 
     def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None,
                  images: Tensor | None = None) -> LossOutput:
@@ -216,7 +203,7 @@ class CaptionCriterion:
     def detector_outputs(self, tokens: Tensor) -> Tensor | bool:
         if self.vocab_size is None or self.negatives + 4 >= self.vocab_size:
             return True
-        return detector_outputs(tokens, self.slots, self.vocab_size, self.negatives, self.own)
+        return detector_outputs(tokens, self.slots, self.vocab_size, self.negatives)
 
 
 def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None) -> Criterion:

@@ -53,15 +53,13 @@ def person_words(vocab: Vocabulary) -> Tensor:
 
 
 def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tensor | None = None,
-                     prior: ClothingPrior | None = None, own: bool = False) -> Teacher:
+                     prior: ClothingPrior | None = None) -> Teacher:
     """The word detector's region scores (`out.concepts`, detached) for every content word, read at
     each word's slot (`concept_slots`; None = its own id). The pass must have scored the slot of every
     word it wrote (`detector_outputs` does). With `prior`, the scores of the words `people` (V,) bool
     names get its log P(clothing) added: the teacher's map is the detector's times the classifier's
     probability that a region shows what people wear, renormalised. The detector alone learns "a
-    photo with people" as readily from the street they stand on as from them. With `own`, a word whose
-    slot is not its own id also gets its own output's scores added (its kind's map times where that
-    very word is: a man and a woman of one photo are taught two maps); the pass must have scored them."""
+    photo with people" as readily from the street they stand on as from them."""
 
     def teach(out: DecoderOutput, words: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if out.concepts is None:
@@ -69,15 +67,9 @@ def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tenso
         keep = content.to(words.device)[words]  # (P,)
         photo = out.rows[out.caption[keep]]  # (P',)
         slot = words[keep] if slots is None else slots.to(words.device)[words[keep]]  # (P',)
-
-        def column(ids: Tensor) -> Tensor:  # each output's column among those the pass scored
-            return ids if out.detected is None else torch.searchsorted(out.detected.to(words.device), ids)
-
-        scores = out.concepts.detach().float()[photo, :, column(slot)]  # (P', L)
-        if own and slots is not None:
-            word = words[keep]  # (P',)
-            apart = word != slot  # (P',) grouped words that are not their kind's first
-            scores[apart] += out.concepts.detach().float()[photo[apart], :, column(word[apart])]
+        if out.detected is not None:  # the column of each slot among the outputs the pass scored
+            slot = torch.searchsorted(out.detected.to(words.device), slot)
+        scores = out.concepts.detach().float()[photo, :, slot]  # (P', L)
         if prior is not None and people is not None:
             person = people.to(words.device)[words[keep]]  # (P',)
             if bool(person.any()):
