@@ -83,6 +83,18 @@ def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tenso
     return teach
 
 
+def lite_classifier(name: str, teacher: str) -> tuple[Tensor, Tensor]:
+    """The ImageNet classifier that ships with EfficientNet-Lite encoder `name`: weight (C, D), bias
+    (C,), for `train.concept_teacher: teacher` (a one-line ConfigError for any other encoder)."""
+    from captioner.model.weights import LITE_NAMES, efficientnet_lite_state_dict
+
+    if name not in LITE_NAMES:
+        raise ConfigError(f"config key 'train.concept_teacher': {teacher!r} needs the classifier of an "
+                          f"EfficientNet-Lite encoder ({', '.join(LITE_NAMES)}), not {name!r}")
+    state = efficientnet_lite_state_dict(name)
+    return state["classifier.weight"], state["classifier.bias"]
+
+
 class ClothingPrior:
     """Where people are, by what they wear: log P(clothing | region), the summed probability of the
     `CLOTHING` classes under the encoder's ImageNet classifier applied to each region alone (softmax
@@ -97,13 +109,7 @@ class ClothingPrior:
 
     @classmethod
     def for_encoder(cls, name: str) -> ClothingPrior:
-        from captioner.model.weights import LITE_NAMES, efficientnet_lite_state_dict
-
-        if name not in LITE_NAMES:
-            raise ConfigError(f"config key 'train.concept_teacher': 'detector+clothing' needs the classifier of an "
-                              f"EfficientNet-Lite encoder ({', '.join(LITE_NAMES)}), not {name!r}")
-        state = efficientnet_lite_state_dict(name)
-        return cls(state["classifier.weight"], state["classifier.bias"])
+        return cls(*lite_classifier(name, "detector+clothing"))
 
     def __call__(self, grid: Tensor, images: Tensor | None = None) -> Tensor:
         """(N, L, D) grids -> (N, L) log P(clothing) at each region. `images` (N,) int64: the grids'
@@ -139,13 +145,7 @@ class ImageNetTeacher:
 
     @classmethod
     def for_encoder(cls, name: str, vocab: Vocabulary) -> ImageNetTeacher:
-        from captioner.model.weights import LITE_NAMES, efficientnet_lite_state_dict
-
-        if name not in LITE_NAMES:
-            raise ConfigError(f"config key 'train.concept_teacher': 'imagenet' needs the classifier of an "
-                              f"EfficientNet-Lite encoder ({', '.join(LITE_NAMES)}), not {name!r}")
-        state = efficientnet_lite_state_dict(name)
-        return cls(state["classifier.weight"], state["classifier.bias"], vocab)
+        return cls(*lite_classifier(name, "imagenet"), vocab)
 
     def __call__(self, out: DecoderOutput, words: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if out.grid is None:
