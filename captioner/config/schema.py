@@ -180,10 +180,6 @@ class TrainConfig(_Section):
     # the detector learns one output per kind of thing (man, woman, boy... -> person), from every photo
     # whose captions name it however they call it, and teaches each word its kind's map
     concept_groups: bool = False
-    # the things one caption names share out the regions: a thing word's teacher map is weighted, region
-    # by region, by the softmax over the caption's things of the detector's scores ("a dog with a toy":
-    # the toy is taught where a toy is likelier than a dog, not the dog's head)
-    concept_compete: bool = False
     # the detector outputs a step trains: the batch's words and this many others drawn at random
     # (-1 = all; all of a 2,500-word vocabulary at 12x12 regions is a third of a step)
     concept_negatives: int = 512
@@ -246,9 +242,6 @@ class Config(_Section):
         teacher = self.train.concept_teacher
         if self.train.concept_weight and teacher.startswith("detector") and not self.model.decoder.concepts:
             raise ConfigError("config key 'train.concept_weight': needs the word detector, model.decoder.concepts: true")
-        if self.train.concept_compete and not (self.train.concept_weight and teacher.startswith("detector")):
-            raise ConfigError("config key 'train.concept_compete': shares out the word detector's teacher maps; it needs "
-                              "train.concept_weight > 0 and a detector teacher (train.concept_teacher: detector...)")
         if teacher != "detector" and not self.model.encoder.name.startswith("efficientnet_lite"):
             raise ConfigError(f"config key 'train.concept_teacher': {teacher!r} needs the ImageNet classifier of an "
                               f"EfficientNet-Lite encoder, not {self.model.encoder.name!r}")

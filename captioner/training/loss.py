@@ -18,7 +18,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
 from captioner.training.boxes import box_attention
 from captioner.training.teachers import (ClothingPrior, ImageNetTeacher, Teacher, concept_slots, content_words,
-                                         detector_teacher, person_words, thing_words)
+                                         detector_teacher, person_words)
 
 
 class LossOutput(NamedTuple):
@@ -178,13 +178,11 @@ def build_teacher(cfg: TrainConfig, vocab: Vocabulary | None, encoder: str | Non
         if encoder is None:
             raise ValueError("the ImageNet teacher needs the run's encoder name")
         return ImageNetTeacher.for_encoder(encoder, vocab)
-    things = thing_words(vocab) if cfg.concept_compete else None
     if cfg.concept_teacher == "detector+clothing":
         if encoder is None:
             raise ValueError("the clothing prior needs the run's encoder name")
-        return detector_teacher(content_words(vocab), slots, person_words(vocab), ClothingPrior.for_encoder(encoder),
-                                things)
-    return detector_teacher(content_words(vocab), slots, things=things)
+        return detector_teacher(content_words(vocab), slots, person_words(vocab), ClothingPrior.for_encoder(encoder))
+    return detector_teacher(content_words(vocab), slots)
 
 
 class CaptionCriterion:

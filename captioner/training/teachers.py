@@ -4,8 +4,6 @@ content word's map towards (`train.concept_weight`, `train.concept_teacher`).
     detector_teacher(content)          the decoder's own word detector (multiple-instance learning)
     detector_teacher(content, people, ClothingPrior(...))
                                        the same, a person's map weighted by where the classifier sees clothes
-    detector_teacher(content, things=thing_words(vocab))
-                                       the things one caption names share out the regions between them
     ImageNetTeacher(weights, vocab)    the encoder's ImageNet classifier, per region (class activation maps)
 
 A teacher takes the packed decoder output, the word of each position (P,) and the image ids of the
@@ -18,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from captioner.config import ConfigError
@@ -55,30 +52,14 @@ def person_words(vocab: Vocabulary) -> Tensor:
     return torch.tensor([vocab.word(i) in COCO_WORDS["person"] for i in range(len(vocab))])
 
 
-# Things Flickr-style captions often name that neither COCO's categories nor the ImageNet table cover
-OTHER_THINGS = ("toy", "toys", "stick", "sticks", "rope", "leash", "shorts", "pants", "jacket", "jackets", "coat",
-                "dress", "costume", "uniform", "camera", "stroller", "wagon", "cart", "paddle", "flag", "sign")
-
-
-def thing_words(vocab: Vocabulary) -> Tensor:
-    """(V,) bool: the words that name a thing one could box (COCO's category words, the words of the
-    ImageNet table and `OTHER_THINGS`: dog, man, ball, bench, shirt, toy...), not stuff, colours or actions."""
-    names = {w for words in COCO_WORDS.values() for w in words} | set(IMAGENET_WORDS) | set(OTHER_THINGS)
-    return torch.tensor([i >= 4 and vocab.word(i) in names for i in range(len(vocab))])
-
-
 def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tensor | None = None,
-                     prior: ClothingPrior | None = None, things: Tensor | None = None) -> Teacher:
+                     prior: ClothingPrior | None = None) -> Teacher:
     """The word detector's region scores (`out.concepts`, detached) for every content word, read at
     each word's slot (`concept_slots`; None = its own id). The pass must have scored the slot of every
     word it wrote (`detector_outputs` does). With `prior`, the scores of the words `people` (V,) bool
     names get its log P(clothing) added: the teacher's map is the detector's times the classifier's
     probability that a region shows what people wear, renormalised. The detector alone learns "a
-    photo with people" as readily from the street they stand on as from them.
-
-    With `things` (V,) bool, the things a caption names share out the regions (`thing_shares`): in "a
-    dog with a toy in its mouth" the toy's map is weighted, region by region, by how much more likely
-    the detector finds a toy there than a dog, so the two words are taught two places instead of one."""
+    photo with people" as readily from the street they stand on as from them."""
 
     def teach(out: DecoderOutput, words: Tensor, images: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if out.concepts is None:
@@ -89,8 +70,6 @@ def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tenso
         if out.detected is not None:  # the column of each slot among the outputs the pass scored
             slot = torch.searchsorted(out.detected.to(words.device), slot)
         scores = out.concepts.detach().float()[photo, :, slot]  # (P', L)
-        if things is not None:
-            scores += thing_shares(out, keep, slot, things.to(words.device)[words[keep]])
         if prior is not None and people is not None:
             person = people.to(words.device)[words[keep]]  # (P',)
             if bool(person.any()):
@@ -102,34 +81,6 @@ def detector_teacher(content: Tensor, slots: Tensor | None = None, people: Tenso
         return keep, scores
 
     return teach
-
-
-def thing_shares(out: DecoderOutput, keep: Tensor, slot: Tensor, thing: Tensor) -> Tensor:
-    """Each taught thing word's log share of every region among its caption's things: the log-softmax,
-    over the kinds of thing the caption names, of the detector's region scores (which of them a region
-    most likely shows). A word whose caption names one kind of thing, and every non-thing word, gets 0.
-
-    Args:
-        out: the packed pass, with `concepts` (N, L, K). keep: (P,) the positions the teacher teaches.
-        slot: (P',) the `concepts` column of each taught word. thing: (P',) which of them name a thing.
-    Returns:
-        (P', L) log shares, <= 0.
-    """
-    concepts = out.concepts.detach().float()  # (N, L, K)
-    shares = concepts.new_zeros(len(slot), concepts.size(1))  # (P', L)
-    if not bool(thing.any()):
-        return shares
-    caption = out.caption[keep][thing]  # (P'',)
-    kinds = torch.unique(torch.stack([caption, slot[thing]]), dim=1)  # (2, M): each caption's kinds of thing
-    scores = concepts[out.rows[kinds[0]], :, kinds[1]]  # (M, L)
-    B, L = out.rows.numel(), scores.size(1)
-    index = kinds[0][:, None].expand(-1, L)  # (M, L)
-    top = scores.new_zeros(B, L).scatter_reduce_(0, index, scores, "amax", include_self=False)  # (B, L)
-    total = scores.new_zeros(B, L).index_add_(0, kinds[0], (scores - top[kinds[0]]).exp())  # (B, L)
-    norm = top + total.log()  # (B, L) log-sum-exp over each caption's kinds
-    mine = concepts[out.rows[caption], :, slot[thing]]  # (P'', L)
-    shares[thing] = (mine - norm[caption]).clamp(max=0.0)
-    return shares
 
 
 def lite_classifier(name: str, teacher: str) -> tuple[Tensor, Tensor]:
