@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from captioner.cli.common import DECODE_FLAGS
+from captioner.cli.common import decode_flags
 from captioner.config import load_config
 
 CAPTIONER = [sys.executable, "-m", "captioner.cli"]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         minutes["scst"] = stage("scst", CAPTIONER + commands["scst"], env, out / "scst.log") / 60
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
     decode = load_config(args.config).decode
-    decoding = [part for key, flag in DECODE_FLAGS.items() for part in (flag, str(getattr(decode, key)))]
+    decoding = decode_flags(decode)
     rows = {}
     for name, run in (("cross-entropy", xent), ("SCST", scst)):
         if not (run / "best.pt").exists():
@@ -127,7 +127,10 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
                args: argparse.Namespace, manifest: dict) -> None:
     """The model card beside a bundled model: what it is, its data and licence, recipe, scores.
     `manifest`: the export's (its encoder: name, input size, grid; its decode defaults)."""
-    encoder, beam = manifest["encoder"], manifest["decode"]["beam_size"]
+    encoder, decode = manifest["encoder"], manifest["decode"]
+    decoding = ", ".join([f"beam {decode['beam_size']}"]
+                         + ([f"no repeated {decode['no_repeat_ngram']}-gram"] if decode.get("no_repeat_ngram") else [])
+                         + (["no content word twice"] if decode.get("no_repeat_words") else []))
     height, width = encoder["grid"]
     table = "\n".join(
         f"| {name} | {v['Bleu_1']:.3f} | {v['Bleu_4']:.3f} | {v['METEOR']:.3f} | {v['ROUGE_L']:.3f} | {v['CIDEr']:.3f} "
@@ -154,7 +157,7 @@ biases of its captions (it says "man" and "woman" from appearance). Not for deci
 **Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR`:
 {recipe}, on a 2-core CPU: {spent}.
 
-**Scores on the Flickr8k dev list** (970 photos, beam {beam}; grounding: the pointing game over the words
+**Scores on the Flickr8k dev list** (970 photos, {decoding}; grounding: the pointing game over the words
 that name a hand-boxed object of 140 dev photos, with the photo-centre and even-map baselines in
 brackets). The bundled model is the **{which}** row, before int8 (int8 changes a few captions).
 

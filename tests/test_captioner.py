@@ -267,3 +267,15 @@ def test_batch_size_is_an_option_only_where_many_images_are_captioned(command, t
     parser = build_parser()
     sub = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices[command]
     assert any("--batch-size" in a.option_strings for a in sub._actions) == takes
+
+
+@pytest.mark.parametrize("decode", [DecodeConfig(), DecodeConfig(beam_size=3, no_repeat_ngram=2, no_repeat_words=True),
+                                    DecodeConfig(beam_size=1, max_length=9, length_penalty=0.5)])
+def test_decode_flags_give_back_the_settings_they_were_made_from(decode):
+    """scripts/flickr8k.py hands the config's decode settings to `evaluate` and `export` as flags."""
+    from captioner.cli import build_parser
+    from captioner.cli.common import decode_flags, decode_overrides
+
+    args = build_parser().parse_args(["evaluate", "--checkpoint", "run/best.pt", *decode_flags(decode)])
+    assert decode.with_overrides(**decode_overrides(args)) == decode
+    assert DecodeConfig().with_overrides(**decode_overrides(args)) == decode

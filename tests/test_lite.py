@@ -15,7 +15,7 @@ from captioner.cli import main
 from captioner.config import DecodeConfig, DecoderConfig
 from captioner.data.vocab import build_vocabulary
 from captioner.decoding import numpy_search
-from captioner.decoding.search import beam_search, block_repeated_ngrams
+from captioner.decoding.search import beam_search, block_repeated_ngrams, block_repeated_words
 from captioner.decoding.text import TextError
 from captioner.deploy import FormatError
 from captioner.model.decoder import AttentionDecoder
@@ -159,14 +159,17 @@ def _numpy_step(decoder: AttentionDecoder):
 @pytest.mark.parametrize("K, ngram, penalty, min_length, n_best", [
     (1, 0, 1.0, 1, 1), (2, 2, 1.0, 1, 2), (3, 1, 0.0, 0, 3), (4, 2, 2.0, 3, 2), (5, 3, 0.7, 1, 5)])
 @pytest.mark.parametrize("attend", ["before", "after"])
-def test_the_numpy_search_equals_the_torch_search_on_one_decoder(K, ngram, penalty, min_length, n_best, attend):
+@pytest.mark.parametrize("once_only", [False, True])
+def test_the_numpy_search_equals_the_torch_search_on_one_decoder(K, ngram, penalty, min_length, n_best, attend,
+                                                                 once_only):
     """Over the torch decoder itself, both searches: every setting, hypotheses in the same order."""
     vocab = build_vocabulary(CAPTIONS)
     decoder = _decoder(len(vocab), attend)
     grids = torch.randn(5, 9, 24, generator=torch.Generator().manual_seed(1))  # (B, L, D)
     options = dict(beam_size=K, max_length=6, start_id=vocab.start_id, end_id=vocab.end_id,
                    banned_ids=(vocab.pad_id, vocab.start_id, vocab.unk_id), length_penalty=penalty,
-                   no_repeat_ngram=ngram, min_length=min_length, n_best=n_best, no_end_after=[vocab.id("a")])
+                   no_repeat_ngram=ngram, min_length=min_length, n_best=n_best, no_end_after=[vocab.id("a")],
+                   once=vocab.content_ids() if once_only else ())
     want = beam_search(decoder, grids, **options)
     with torch.no_grad():
         memory = decoder.memory(grids)
@@ -190,6 +193,17 @@ def test_ngram_blocking_equals_the_torch_blocking():
         want = block_repeated_ngrams(torch.from_numpy(logp.copy()), torch.from_numpy(words), n).numpy()
         np.testing.assert_array_equal(got, want)
     assert np.isinf(numpy_search.block_repeated_ngrams(logp.copy(), words, 2)).sum() > 0
+
+
+def test_word_blocking_equals_the_torch_blocking():
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 8, (6, 5))  # (R, t)
+    logp = rng.standard_normal((6, 8)).astype(np.float32)
+    once = np.array([False, True, True, False, True, False, False, True])  # (V,)
+    got = numpy_search.block_repeated_words(logp.copy(), words, once)
+    want = block_repeated_words(torch.from_numpy(logp.copy()), torch.from_numpy(words), torch.from_numpy(once))
+    np.testing.assert_array_equal(got, want.numpy())
+    assert 0 < np.isinf(got).sum() < got.size
 
 
 def test_the_cli_captions_an_export_without_importing_torch(exported, tmp_path):

@@ -6,7 +6,8 @@ import torch
 
 from captioner.config import DecodeConfig, DecoderConfig
 from captioner.data.vocab import Vocabulary
-from captioner.decoding.search import beam_search, block_repeated_ngrams, decode, decode_n_best, length_penalty
+from captioner.decoding.search import (beam_search, block_repeated_ngrams, block_repeated_words, decode, decode_n_best,
+                                       length_penalty)
 from captioner.model.decoder import AttentionDecoder
 
 B, L, D, V = 4, 9, 16, 30
@@ -187,6 +188,31 @@ def test_no_repeat_ngram(beam, n):
     for hyp in decode(dec, features, DecodeConfig(beam_size=beam, max_length=10, no_repeat_ngram=n), VOCAB):
         grams = list(zip(*(hyp.tokens[i:] for i in range(n))))
         assert len(grams) == len(set(grams)) and len(hyp.tokens) == 10
+
+
+def test_block_repeated_words_masks_only_the_once_words_already_written():
+    words = torch.tensor([[4, 5, 4], [6, 7, 8]])  # (R, t)
+    once = torch.zeros(12, dtype=torch.bool)
+    once[[4, 6, 9]] = True
+    blocked = block_repeated_words(torch.zeros(2, 12), words, once)
+    assert torch.isinf(blocked[0]).nonzero().flatten().tolist() == [4]  # 5 written too, but it may repeat
+    assert torch.isinf(blocked[1]).nonzero().flatten().tolist() == [6]  # 9 is once-only but not written yet
+    assert not torch.isinf(block_repeated_words(torch.zeros(2, 12), words[:, :0], once)).any()
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_no_repeat_words_writes_a_content_word_once_and_lets_function_words_repeat(beam):
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "a", "the", *(f"w{i}" for i in range(V - 6))])
+    dec, features = _decoder(), torch.randn(B, L, D)
+    with torch.no_grad():
+        dec.readout.bias[END] = -1e4
+        dec.readout.bias[[4, 7]] = 30.0  # without the rule: "a w1 a w1 ..." (or "w1 w1 ...")
+    free = decode(dec, features, DecodeConfig(beam_size=beam, max_length=10), vocab)
+    assert any(h.tokens.count(7) > 1 for h in free)
+    for hyp in decode(dec, features, DecodeConfig(beam_size=beam, max_length=10, no_repeat_words=True), vocab):
+        content = [t for t in hyp.tokens if t >= 6]
+        assert len(content) == len(set(content)) and len(hyp.tokens) == 10
+        assert hyp.tokens.count(4) > 1  # "a" is a function word: it may come back
 
 
 def test_maps_are_float32_whatever_the_features_dtype():

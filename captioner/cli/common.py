@@ -38,8 +38,8 @@ def add_decode_options(p: argparse.ArgumentParser, bundled: bool = False) -> Non
 
 
 def add_decode_flags(p: argparse._ActionsContainer) -> None:
-    """--beam, --max-length, --length-penalty, --no-repeat-ngram; left out = the checkpoint's own
-    (read back with `decode_overrides`)."""
+    """--beam, --max-length, --length-penalty, --no-repeat-ngram, --no-repeat-words / --repeat-words;
+    left out = the checkpoint's own (read back with `decode_overrides`)."""
     p.add_argument("--beam", type=int, dest="beam_size", metavar="K",
                    help="beam size, 1 = greedy (default: the checkpoint's decode settings)")
     p.add_argument("--max-length", type=int, metavar="N", help="most words per caption (default: the checkpoint's)")
@@ -47,6 +47,12 @@ def add_decode_flags(p: argparse._ActionsContainer) -> None:
                    help="rank by logprob / length**EXPONENT (default: the checkpoint's)")
     p.add_argument("--no-repeat-ngram", type=int, metavar="N",
                    help="never repeat an N-gram (default: the checkpoint's; 0 = off)")
+    words = p.add_mutually_exclusive_group()
+    words.add_argument("--no-repeat-words", dest="no_repeat_words", action="store_const", const=True,
+                       help="a content word at most once per caption: no 'a hat and a hat' (function words such as "
+                            "'a', 'in' may repeat; default: the checkpoint's)")
+    words.add_argument(DECODE_FLAGS_OFF["no_repeat_words"], dest="no_repeat_words", action="store_const", const=False,
+                       help="let content words repeat")
 
 
 def add_batch_size(p: argparse.ArgumentParser) -> None:
@@ -55,7 +61,20 @@ def add_batch_size(p: argparse.ArgumentParser) -> None:
 
 
 DECODE_FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "length_penalty": "--length-penalty",
-                "no_repeat_ngram": "--no-repeat-ngram"}
+                "no_repeat_ngram": "--no-repeat-ngram", "no_repeat_words": "--no-repeat-words"}
+DECODE_FLAGS_OFF = {"no_repeat_words": "--repeat-words"}  # a switch's other flag
+
+
+def decode_flags(decode: Any) -> list[str]:
+    """The command-line flags that give a `DecodeConfig`'s settings (`add_decode_flags`' inverse)."""
+    flags: list[str] = []
+    for key, flag in DECODE_FLAGS.items():
+        value = getattr(decode, key)
+        if isinstance(value, bool):
+            flags.append(flag if value else DECODE_FLAGS_OFF[key])
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:

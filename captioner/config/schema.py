@@ -219,6 +219,7 @@ class DecodeConfig(_Section):
     length_penalty: float = 1.0  # rank finished captions by logprob / length ** length_penalty
     no_repeat_ngram: int = 0  # 0 = off
     no_dangling: bool = True  # <end> never right after a function word: no "a man riding a"
+    no_repeat_words: bool = False  # a content word at most once per caption: no "a man wearing a hat and a hat"
 
     def with_overrides(self, **overrides: Any) -> DecodeConfig:
         """These settings with `overrides` (field names; None = keep). TypeError names unknown ones."""

@@ -100,6 +100,10 @@ class Vocabulary:
         """The word with id `idx`."""
         return self._itos[idx]
 
+    def content_ids(self) -> list[int]:
+        """The ids of the content words: neither a special nor one of the `FUNCTION_WORDS`."""
+        return [i for i, w in enumerate(self._itos) if i >= len(SPECIALS) and w not in FUNCTION_WORDS]
+
     # --- captions ----------------------------------------------------------------------------
     def encode(self, text_or_tokens: str | Sequence[str], max_length: int | None = None) -> list[int]:
         """`[<start>, w1..wn, <end>]` with n <= max_length words (longer captions are cut)."""

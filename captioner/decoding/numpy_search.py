@@ -5,7 +5,8 @@ search step for step, so the two return the same hypotheses (scores to float32 r
 
 - the memory once per image, expanded to B·K rows; only beam 0 live at the start;
 - float32 log-softmax over the whole vocabulary, banned ids at -inf after it (<end> too before
-  `min_length` words), repeated n-grams blocked, no <end> right after a function word;
+  `min_length` words), repeated n-grams blocked, no <end> right after a function word, the `once`
+  ids (content words) not written twice;
 - one top-2K over each image's (K·V) candidates, beam = idx // V, token = idx % V; an <end> among
   the top K is a finished hypothesis scored logprob / length**penalty; the best K others go on;
 - an image is done with K finished hypotheses (fairseq's rule: K = 1 is greedy) and leaves the
@@ -82,6 +83,14 @@ def block_repeated_ngrams(logp: np.ndarray, words: np.ndarray, n: int) -> np.nda
     return logp
 
 
+def block_repeated_words(logp: np.ndarray, words: np.ndarray, once: np.ndarray) -> np.ndarray:
+    """Set to -inf, in place, every word of a row's words (R, t) that `once` (V,) bool allows only
+    once per caption, in logp (R, V) (as `search.block_repeated_words`)."""
+    rows, cols = np.nonzero(once[words])  # positions of once-only words already written
+    logp[rows, words[rows, cols]] = NEG_INF
+    return logp
+
+
 def _top(cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k best of each row of (n, K·V), best first (the lower index first on ties): scores, indices."""
     idx = np.argpartition(-cand, k - 1, axis=1)[:, :k] if k < cand.shape[1] else np.tile(np.arange(k), (len(cand), 1))
@@ -115,7 +124,7 @@ class _Beams:
 def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, beam_size: int,
                 max_length: int, start_id: int, end_id: int, banned_ids: Sequence[int] = (),
                 length_penalty: float = 1.0, no_repeat_ngram: int = 0, min_length: int = 0, n_best: int = 1,
-                no_end_after: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                no_end_after: Sequence[int] = (), once: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Beam search over a batch of B images: the best `n_best` hypotheses of each, best first.
 
     Args:
@@ -135,6 +144,7 @@ def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
     banned = np.asarray(list(banned_ids), dtype=np.int64)
     no_end = None  # (V,) bool: ids after which <end> is not allowed
+    once_mask = None  # (V,) bool: ids written at most once
     for t in range(max_length + 1):
         n = len(beams.ids)
         logits, alpha, state = step(beams.tokens, beams.state, beams.features, beams.keys)  # (R, V), (R, L), (R, S)
@@ -150,6 +160,11 @@ def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.
                 no_end = np.zeros(V, dtype=bool)
                 no_end[list(no_end_after)] = True
             logp[no_end[beams.words[:, -1]], end_id] = NEG_INF  # beams whose last word is a function word
+        if len(once):
+            if once_mask is None:
+                once_mask = np.zeros(V, dtype=bool)
+                once_mask[list(once)] = True
+            block_repeated_words(logp, beams.words, once_mask)
         cand = (beams.scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K·V)
         top_scores, top_idx = _top(cand, min(2 * K, K * V))  # (n, 2K): K live beams survive any K <end>s
         top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)
@@ -216,12 +231,14 @@ def _results(finals: list[list[Hypothesis]], beams: _Beams, K: int, n_best: int,
 def decode_n_best(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, cfg: DecodeConfig,
                   vocab: Vocabulary, n_best: int) -> list[list[Hypothesis]]:
     """`search.decode_n_best` over a step function: never <pad>, <start> or <unk>, at least one word,
-    no <end> after a function word when `cfg.no_dangling`; each image's best `n_best`, best first."""
+    no <end> after a function word when `cfg.no_dangling`, no content word twice when
+    `cfg.no_repeat_words`; each image's best `n_best`, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
     function_ids = [vocab.id(w) for w in sorted(FUNCTION_WORDS) if w in vocab] if cfg.no_dangling else []
+    once = vocab.content_ids() if cfg.no_repeat_words else []
     return beam_search(step, features, keys, initial, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id,
                        banned, length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
-                       n_best=n_best, no_end_after=function_ids)
+                       n_best=n_best, no_end_after=function_ids, once=once)
 
 
 def force_text(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, ids: Sequence[int],

@@ -112,6 +112,22 @@ def block_repeated_ngrams(logp: Tensor, words: Tensor, n: int) -> Tensor:
     return logp.scatter_add_(1, windows[:, :, -1], penalty)
 
 
+def block_repeated_words(logp: Tensor, words: Tensor, once: Tensor) -> Tensor:
+    """Set to -inf, in place, every word a row has written already that may appear only once.
+
+    Args:
+        logp: (R, V) log-probs of the next token.
+        words: (R, t) the words generated so far in each row.
+        once: (V,) bool, the ids written at most once per caption (content words: no "a hat and a hat").
+    Returns:
+        logp, modified in place.
+    """
+    if words.size(1):
+        penalty = torch.zeros(words.shape, dtype=logp.dtype, device=logp.device).masked_fill(once[words], NEG_INF)
+        logp.scatter_add_(1, words, penalty)  # (R, t): -inf where a once-only word was written, 0 elsewhere
+    return logp
+
+
 class _Beams(NamedTuple):
     """The live beams of the n images still searched: R = n·K rows, image by image."""
 
@@ -136,14 +152,16 @@ class _Top(NamedTuple):
 
 class _Rules:
     """What a search may write next: never a banned id; <end> not before `min_length` words nor right
-    after a function word (`no_end_after`); no repeated `no_repeat_ngram`-gram."""
+    after a function word (`no_end_after`); no repeated `no_repeat_ngram`-gram; the `once` ids at
+    most once per caption."""
 
     def __init__(self, banned_ids: Sequence[int], end_id: int, min_length: int, no_repeat_ngram: int,
-                 no_end_after: Sequence[int], device: torch.device) -> None:
+                 no_end_after: Sequence[int], once: Sequence[int], device: torch.device) -> None:
         self.banned = torch.tensor(list(banned_ids), dtype=torch.long, device=device)
         self.end_id, self.min_length = end_id, min_length
-        self.no_repeat_ngram, self.no_end_after = no_repeat_ngram, list(no_end_after)
+        self.no_repeat_ngram, self.no_end_after, self.once_ids = no_repeat_ngram, list(no_end_after), list(once)
         self.no_end: Tensor | None = None  # (V,) bool: ids after which <end> is not allowed
+        self.once: Tensor | None = None  # (V,) bool: ids written at most once
 
     def log_probs(self, logits: Tensor, words: Tensor, t: int) -> Tensor:
         """(R, V) logits of step t after (R, t) words -> (R, V) float32 log-probs, -inf where not allowed."""
@@ -156,13 +174,19 @@ class _Rules:
                 self.no_end = torch.zeros(logp.size(-1), dtype=torch.bool, device=logp.device)
                 self.no_end[self.no_end_after] = True
             logp[:, self.end_id].masked_fill_(self.no_end[words[:, -1]], NEG_INF)  # last word a function word
+        if self.once_ids:
+            if self.once is None:
+                self.once = torch.zeros(logp.size(-1), dtype=torch.bool, device=logp.device)
+                self.once[self.once_ids] = True
+            block_repeated_words(logp, words, self.once)
         return logp
 
 
 @torch.no_grad()
 def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max_length: int, start_id: int,
                 end_id: int, banned_ids: Sequence[int] = (), length_penalty: float = 1.0, no_repeat_ngram: int = 0,
-                min_length: int = 0, n_best: int = 1, no_end_after: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                min_length: int = 0, n_best: int = 1, no_end_after: Sequence[int] = (),
+                once: Sequence[int] = ()) -> list[list[Hypothesis]]:
     """Beam search over a batch of images; the best `n_best` hypotheses per image, best first.
 
     Args:
@@ -177,13 +201,15 @@ def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max
         min_length: <end> is not allowed before this many words.
         n_best: hypotheses returned per image (at most beam_size).
         no_end_after: ids after which <end> is not allowed (function words: no "a man riding a").
+        once: ids written at most once per caption (content words: no "a man wearing a hat and a hat").
     Returns:
         B lists, in input order, each the image's finished hypotheses by score (the first found on
         ties), at most `n_best`; an image none of whose beams ended gets its best live beams instead.
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best {n_best}: expected 1 to beam_size ({beam_size})")
-    K, rules = beam_size, _Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, features.device)
+    K, rules = beam_size, _Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, once,
+                                 features.device)
     beams = _expand(decoder, features, K, start_id)
     finals: list[list[Hypothesis]] = [[] for _ in range(features.size(0))]
     for t in range(max_length + 1):
@@ -286,7 +312,9 @@ def _best(finals: list[Hypothesis], beams: _Beams, image: int, n_best: int, expo
 
 def decode(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig, vocab: Vocabulary) -> list[Hypothesis]:
     """Caption a batch of (B, L, D) grids as `cfg` says (beam_size 1 = greedy). Never emits <pad>,
-    <start> or <unk>, and every caption has at least one word. Returns B hypotheses in input order."""
+    <start> or <unk>, and every caption has at least one word; no <end> after a function word when
+    `cfg.no_dangling`, no content word twice when `cfg.no_repeat_words`. Returns B hypotheses in
+    input order."""
     return [ranked[0] for ranked in decode_n_best(decoder, features, cfg, vocab, 1)]
 
 
@@ -295,6 +323,7 @@ def decode_n_best(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig
     """`decode`, keeping each image's best `n_best` (<= cfg.beam_size) hypotheses, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
     function_ids = [vocab.id(w) for w in sorted(FUNCTION_WORDS) if w in vocab] if cfg.no_dangling else []
+    once = vocab.content_ids() if cfg.no_repeat_words else []
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
                        length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
-                       n_best=n_best, no_end_after=function_ids)
+                       n_best=n_best, no_end_after=function_ids, once=once)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from captioner.config import ConfigError
 from captioner.data.boxes import COCO_WORDS
-from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
+from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
 from captioner.model.imagenet_words import CLOTHING, IMAGENET_WORDS
 
@@ -30,7 +30,9 @@ Teacher = Callable[[DecoderOutput, Tensor, "Tensor | None"], tuple[Tensor, Tenso
 
 def content_words(vocab: Vocabulary) -> Tensor:
     """(V,) bool: the words a map is pulled for (not function words, not the special ids)."""
-    return torch.tensor([i >= 4 and vocab.word(i) not in FUNCTION_WORDS for i in range(len(vocab))])
+    mask = torch.zeros(len(vocab), dtype=torch.bool)
+    mask[vocab.content_ids()] = True
+    return mask
 
 
 def concept_slots(vocab: Vocabulary, grouped: bool) -> Tensor:
