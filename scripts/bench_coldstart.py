@@ -1,4 +1,5 @@
-"""Time to the first caption: a whole `captioner caption PHOTO` process, from start to exit, three ways.
+"""Time to the first caption (and picture): a whole `captioner caption PHOTO` process, from start to exit,
+three ways, and a whole `captioner visualize PHOTO` with the torch-free runtime.
 
     python scripts/bench_coldstart.py --export EXPORT_DIR [--checkpoint CKPT] [--photo PHOTO] [--runs 7]
 
@@ -7,6 +8,8 @@
     torch-driven onnx  the same command with the torch beam search over the same graphs
                        (`deploy.runtime.onnx_captioner`, what `--runtime onnx` ran before): torch too
     torch              `captioner caption PHOTO --checkpoint CKPT --device cpu`: the checkpoint in torch
+    visualize onnx     `captioner visualize PHOTO --runtime onnx --checkpoint EXPORT_DIR -o PNG`: the
+                       caption and its picture of every word's map (matplotlib), torch-free too
 
 Each run is a new Python process (the file cache is warm: one uncounted run of each first); the
 commands run in turn, so drift on a shared machine spreads over all three. Printed: min / median /
@@ -52,10 +55,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def commands(args: argparse.Namespace, export: str) -> dict[str, list[str]]:
+def commands(args: argparse.Namespace, export: str, picture: str) -> dict[str, list[str]]:
+    """The timed commands by row name; `picture`: where `visualize` writes its PNG."""
     python = [sys.executable, "-c"]
     onnx = ["caption", args.photo, "--runtime", "onnx", "--checkpoint", export]
-    rows = {"torch-free onnx": [*python, CLI, *onnx], "torch-driven onnx": [*python, TORCH_DRIVEN, *onnx]}
+    rows = {"torch-free onnx": [*python, CLI, *onnx], "torch-driven onnx": [*python, TORCH_DRIVEN, *onnx],
+            "visualize onnx": [*python, CLI, "visualize", args.photo, "--runtime", "onnx", "--checkpoint", export,
+                               "-o", picture]}
     if args.checkpoint:
         rows["torch"] = [*python, CLI, "caption", args.photo, "--checkpoint", args.checkpoint, "--device", "cpu"]
     return rows
@@ -103,7 +109,8 @@ def main(args: argparse.Namespace) -> None:
         export = str(bundled_model() or sys.exit("no --export given and no model bundled with the package"))
     if not Path(args.photo).is_file():
         sys.exit(f"--photo {args.photo!r}: no such file")
-    rows = commands(args, export)
+    picture = tempfile.TemporaryDirectory()
+    rows = commands(args, export, str(Path(picture.name) / "maps.png"))
     for command in rows.values():  # warm the file cache; not counted
         run_once(command)
     runs: dict[str, list[Run]] = {name: [] for name in rows}

@@ -106,6 +106,39 @@ def test_upsample_places_each_weight_at_its_cells_centre():
     assert y in (17, 18) and x in (35, 36)
 
 
+@pytest.mark.parametrize("grid, size, cells", [((12, 12), (333, 500), Cells(0.04, 0.0833)), ((4, 6), (37, 91), None),
+                                               ((3, 3), (40, 40), Cells(0.2, 0.25)), ((1, 1), (9, 7), None)])
+def test_upsample_is_torchs_bicubic_grid_sample_with_border_padding(grid, size, cells):
+    """The numpy interpolation (no torch to draw a picture) is the torch one it replaced, to float32 rounding."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(0)
+    m = rng.random(grid).astype(np.float32)  # (H', W')
+    w, h = size
+    rows, cols = grid
+    x_cells, y_cells = cells or Cells(0.5 / cols, 1.0 / cols), cells or Cells(0.5 / rows, 1.0 / rows)
+
+    def at(n, pixels, origin, stride):  # grid_sample's coordinates of the pixel centres: cell j at -1 + 2j/(n-1)
+        index = ((torch.arange(pixels) + 0.5) / pixels - origin) / stride
+        return index * (2 / (n - 1)) - 1 if n > 1 else torch.zeros(pixels)
+
+    where = torch.stack(torch.meshgrid(at(cols, w, *x_cells), at(rows, h, *y_cells), indexing="xy"), dim=-1)[None]
+    want = F.grid_sample(torch.from_numpy(m)[None, None], where, mode="bicubic", padding_mode="border",
+                         align_corners=True)[0, 0].clamp_min(0).numpy()  # (h, w)
+    np.testing.assert_allclose(upsample(m, size, cells), want, atol=1e-5, rtol=0)  # weights up to 1: float32
+
+
+def test_drawing_a_picture_imports_neither_torch_nor_timm():
+    import subprocess
+    import sys
+
+    code = ("import sys, captioner.pictures.figures, captioner.deploy.lite; "
+            "print(sorted(m for m in ('torch', 'timm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_boxes_are_outlined_green_for_a_hit_and_red_for_a_miss(tmp_path):
     """word0 peaks in the left half, word1 in the right: with a box on the left for both, word0's panel
     gets a green outline and word1's a red one."""

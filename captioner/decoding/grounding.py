@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from captioner.data.boxes import BoxXYXY, GroundObject
-from captioner.model.encoder import Cells
+from captioner.model.grid import Cells
 
 TOLERANCE = 15 / 500  # of the photo's longer side: the pointing game's 15 px at 500 px
 SMALL = 0.25  # an object covering less than this share of the photo is "small"

@@ -12,16 +12,19 @@ import re
 import textwrap
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import PIL.Image
 from PIL import ImageDraw, ImageFont
 
 from captioner.data.boxes import GroundObject
-from captioner.decoding.captioner import Caption
 from captioner.decoding.grounding import Look, look, word_objects
 from captioner.files import atomic_open
 from captioner.pictures.overlay import render_attention, word_focus
+
+if TYPE_CHECKING:  # torch's Caption and the ONNX runtime's both draw: no torch import to draw a picture
+    from captioner.decoding.captioner import Caption
 
 PANEL_INCHES = 2.4  # width of one panel
 DPI = 100

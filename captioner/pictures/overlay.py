@@ -9,10 +9,25 @@ import math
 
 import numpy as np
 import PIL.Image
-import torch
-import torch.nn.functional as F
 
-from captioner.model.encoder import Cells
+from captioner.model.grid import Cells
+
+
+def _cubic_weights(index: np.ndarray, n: int) -> np.ndarray:
+    """(pixels,) fractional cell indices -> (pixels, n) bicubic weights over the n cells: Keys'
+    cubic convolution (a = -0.75, as torch's bicubic), taps beyond the edges clamped to the edge
+    cells (border padding). Each row sums to 1."""
+    A = -0.75
+    base = np.floor(index)
+    t = (index - base)[:, None]  # (pixels, 1)
+    d = np.abs(t - np.arange(-1, 3))  # (pixels, 4) distance to each of the 4 taps
+    near = ((A + 2) * d - (A + 3)) * d * d + 1  # |d| <= 1
+    far = ((A * d - 5 * A) * d + 8 * A) * d - 4 * A  # 1 < |d| < 2
+    taps = np.where(d <= 1, near, far)  # (pixels, 4)
+    cells = np.clip(base[:, None].astype(np.int64) + np.arange(-1, 3), 0, n - 1)  # (pixels, 4) clamped
+    weights = np.zeros((len(index), n))
+    np.add.at(weights, (np.arange(len(index))[:, None].repeat(4, 1), cells), taps)
+    return weights
 
 
 def upsample(attention_map: np.ndarray, size: tuple[int, int], cells: Cells | None = None) -> np.ndarray:
@@ -20,7 +35,8 @@ def upsample(attention_map: np.ndarray, size: tuple[int, int], cells: Cells | No
 
     Each weight sits at its cell's centre (`cells`: where the cell's receptive field is centred;
     None = the nominal centre (j + 0.5) / n) and the map is interpolated smoothly between the
-    centres, edges repeated beyond the outer ones.
+    centres, edges repeated beyond the outer ones (torch's `grid_sample`, bicubic, border padding,
+    in numpy: drawing a picture needs no torch).
 
     Args:
         attention_map: (H', W') weights of one word.
@@ -28,21 +44,18 @@ def upsample(attention_map: np.ndarray, size: tuple[int, int], cells: Cells | No
         cells: the encoder's cell geometry (`Caption.cells`).
     """
     w, h = size
-    rows, cols = np.shape(attention_map)
-    grid = torch.as_tensor(np.asarray(attention_map, dtype=np.float32))[None, None]  # (1, 1, H', W')
+    grid = np.asarray(attention_map, dtype=np.float64)  # (H', W')
+    rows, cols = grid.shape
 
-    def sample_at(n: int, pixels: int, origin: float, stride: float) -> torch.Tensor:
-        """grid_sample's coordinates of the `pixels` pixel centres along one side: cell j is at -1 + 2j/(n-1)."""
-        index = ((torch.arange(pixels) + 0.5) / pixels - origin) / stride  # (pixels,) fractional cell index
-        return index * (2 / (n - 1)) - 1 if n > 1 else torch.zeros(pixels)
+    def weights(n: int, pixels: int, origin: float, stride: float) -> np.ndarray:
+        """(pixels, n): each pixel centre's fractional cell index (cell j at origin + j * stride), weighted."""
+        index = ((np.arange(pixels) + 0.5) / pixels - origin) / stride if n > 1 else np.zeros(pixels)
+        return _cubic_weights(index, n)
 
     x_cells = cells if cells is not None else Cells(0.5 / cols, 1.0 / cols)
     y_cells = cells if cells is not None else Cells(0.5 / rows, 1.0 / rows)
-    gx = sample_at(cols, w, *x_cells)  # (w,)
-    gy = sample_at(rows, h, *y_cells)  # (h,)
-    where = torch.stack(torch.meshgrid(gx, gy, indexing="xy"), dim=-1)[None]  # (1, h, w, 2) as (x, y)
-    up = F.grid_sample(grid, where, mode="bicubic", padding_mode="border", align_corners=True)[0, 0]  # (h, w)
-    return up.clamp_min(0).numpy()  # (h, w)
+    up = weights(rows, h, *y_cells) @ grid @ weights(cols, w, *x_cells).T  # (h, H') (H', W') (W', w) -> (h, w)
+    return np.maximum(up, 0).astype(np.float32)
 
 
 def heat(weights: np.ndarray, regions: int) -> np.ndarray:
