@@ -351,3 +351,44 @@ def test_a_cross_entropy_step_tells_the_teacher_which_photo_each_cached_grid_is(
                   torch.tensor([1, 0, 1]))
     CrossEntropy(dec, train, Spy(), torch.device("cpu")).loss(batch)
     assert seen[0].tolist() == [4, 9]
+
+
+def test_separation_is_the_mean_cosine_of_two_thing_words_maps_within_a_caption():
+    from captioner.training.separation import separation
+
+    L = 4
+    # caption 0: thing, thing, other; caption 1: thing, thing. Positions are packed step by step.
+    alphas = torch.tensor([[1.0, 0, 0, 0],  # c0 t0: thing, on cell 0
+                           [0.5, 0.5, 0, 0],  # c1 t0: thing, cells 0-1
+                           [1.0, 0, 0, 0],  # c0 t1: thing on the same cell as c0 t0: cosine 1
+                           [0, 0, 0.5, 0.5],  # c1 t1: thing, disjoint from c1 t0: cosine 0
+                           [0, 0, 0, 1.0]], requires_grad=True)  # c0 t2: not a thing
+    out, tokens, _ = _packed([3, 2], V=8, L=L, alphas=alphas)
+    targets = torch.tensor([5, 5, 6, 6, 7])  # the word each position writes
+    things = torch.zeros(8, dtype=torch.bool)
+    things[[5, 6]] = True
+    apart = separation(out, targets, things)
+    torch.testing.assert_close(apart, torch.tensor(0.5))  # (1 + 0) / 2: pairs only within one caption
+    apart.backward()
+    assert alphas.grad[4].abs().sum() == 0  # the word that names no thing is left alone
+    lone = separation(out, torch.tensor([5, 7, 7, 7, 7]), things)  # one thing per caption: no pair
+    assert lone.item() == 0.0
+
+
+def test_the_separation_term_joins_the_loss_with_its_weight():
+    alphas = torch.softmax(torch.randn(6, 9), dim=-1)
+    out, tokens, _ = _packed([3, 3], V=10, L=9, alphas=alphas)
+    things = torch.ones(10, dtype=torch.bool)
+    plain = caption_loss(out, tokens)
+    apart = caption_loss(out, tokens, separation_weight=2.0, things=things)
+    assert apart.separation.item() > 0 and plain.separation.item() == 0.0
+    torch.testing.assert_close(apart.total, plain.total + 2.0 * apart.separation)
+
+
+def test_thing_words_name_things_not_stuff_colours_or_actions():
+    from captioner.data.vocab import Vocabulary
+    from captioner.training.separation import thing_words
+
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "dog", "man", "toy", "shirt", "grass", "red", "running", "a"])
+    named = [vocab.word(i) for i in thing_words(vocab).nonzero().flatten().tolist()]
+    assert named == ["dog", "man", "toy", "shirt"]
