@@ -286,27 +286,26 @@ def test_meter_round_trips_and_reads_the_lists_older_checkpoints_hold():
     from captioner.training.loss import LossOutput
 
     meter = Meter()
-    meter.add(LossOutput(*(torch.tensor(v) for v in (4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.125))), captions=10, tokens=50,
+    meter.add(LossOutput(*(torch.tensor(v) for v in (4.0, 3.0, 2.0, 1.0, 0.5, 0.25))), captions=10, tokens=50,
               seconds=0.5)
     restored = Meter()
     restored.load(meter.totals())
     expected = {"total": 40.0, "xent": 30.0, "coverage": 20.0, "entropy": 10.0, "reward": 5.0, "box": 2.5,
-                "separation": 1.25, "captions": 10.0, "tokens": 50.0, "steps": 1.0, "seconds": 0.5}
+                "captions": 10.0, "tokens": 50.0, "steps": 1.0, "seconds": 0.5}
     assert restored.totals() == meter.totals() == expected
-    assert meter.means() == {"total": 4.0, "xent": 3.0, "coverage": 2.0, "entropy": 1.0, "reward": 0.5, "box": 0.25,
-                             "separation": 0.125}
+    assert meter.means() == {"total": 4.0, "xent": 3.0, "coverage": 2.0, "entropy": 1.0, "reward": 0.5, "box": 0.25}
     named = Meter()
-    named.load({k: v for k, v in expected.items() if k not in ("box", "separation")})  # a last.pt from before both
-    assert named.totals() == {**expected, "box": 0.0, "separation": 0.0}
+    named.load({k: v for k, v in expected.items() if k != "box"})  # a last.pt from before the box term
+    assert named.totals() == {**expected, "box": 0.0}
     listed = Meter()
     listed.load([40.0, 30.0, 20.0, 10.0, 5.0, 10.0, 50.0, 1.0, 0.5])  # a last.pt of 0.2: the totals as a list
-    assert listed.totals() == {**expected, "box": 0.0, "separation": 0.0}
+    assert listed.totals() == {**expected, "box": 0.0}
     older = Meter()
     older.load([40.0, 30.0, 20.0, 10.0, 10.0, 50.0, 1.0, 0.5])  # a last.pt of 0.1: no reward term
-    assert older.totals() == {**expected, "reward": 0.0, "box": 0.0, "separation": 0.0}
+    assert older.totals() == {**expected, "reward": 0.0, "box": 0.0}
     oldest = Meter()
     oldest.load([40.0, 30.0, 20.0, 10.0, 50.0, 1.0, 0.5])  # before the entropy term too
-    assert oldest.totals() == {**expected, "entropy": 0.0, "reward": 0.0, "box": 0.0, "separation": 0.0}
+    assert oldest.totals() == {**expected, "entropy": 0.0, "reward": 0.0, "box": 0.0}
     empty = Meter()
     empty.load(Meter().totals())
     assert empty.sums is None and empty.totals() == Meter().totals()

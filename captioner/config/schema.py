@@ -34,7 +34,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
     "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
-              "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0", "separation_weight": ">= 0",
+              "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
     "decode": {"beam_size": ">= 1", "max_length": ">= 2", "length_penalty": ">= 0", "no_repeat_ngram": ">= 0"},
@@ -186,9 +186,6 @@ class TrainConfig(_Section):
     # pull the map of each word naming a boxed object of its photo into the object's cells (data.boxes;
     # Liu et al. 2017's supervised attention): -log of the map's mass there
     box_weight: float = 0.0
-    # the things one caption names look at different cells: the mean cosine similarity of their maps
-    # (in "a dog with a toy in its mouth" both words otherwise peak on the dog's head)
-    separation_weight: float = 0.0
     label_smoothing: float = 0.0
     scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
@@ -209,8 +206,6 @@ class TrainConfig(_Section):
                               "cross-entropy checkpoint it fine-tunes")
         if self.objective == "scst" and self.box_weight:
             raise ConfigError("config key 'train.box_weight': self-critical training has no attention terms (0)")
-        if self.objective == "scst" and self.separation_weight:
-            raise ConfigError("config key 'train.separation_weight': self-critical training has no attention terms (0)")
         if self.objective == "scst" and self.scst_baseline == "mean" and self.scst_samples < 2:
             raise ConfigError(f"config key 'train.scst_samples': {self.scst_samples} is not allowed with "
                               f"scst_baseline 'mean' (each sample is judged against the others: at least 2)")

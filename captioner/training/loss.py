@@ -1,7 +1,6 @@
-"""Training loss: cross-entropy over real tokens plus optional attention terms: the doubly
-stochastic coverage term (every region looked at about once per caption), an entropy penalty
-(each word looks at few regions), the word detector's teacher (`concept_weight`), box supervision
-(`box_weight`) and the separation of a caption's things (`separation_weight`).
+"""Training loss: cross-entropy over real tokens plus two optional attention terms, the doubly
+stochastic coverage term (every region looked at about once per caption) and an entropy penalty
+(each word looks at few regions).
 
 Shapes: B captions, T + 1 tokens, P real (scored) positions, V vocabulary, L regions.
 """
@@ -18,7 +17,6 @@ from captioner.config import TrainConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput
 from captioner.training.boxes import box_attention
-from captioner.training.separation import separation, thing_words
 from captioner.training.teachers import (ClothingPrior, ImageNetTeacher, Teacher, concept_slots, content_words,
                                          detector_teacher, person_words)
 
@@ -30,7 +28,6 @@ class LossOutput(NamedTuple):
     entropy: Tensor  # scalar: mean entropy (nats) of a real token's attention map (0 when its weight is 0)
     reward: Tensor  # scalar: mean CIDEr-D reward of the sampled captions (self-critical training; else 0)
     box: Tensor  # scalar: mean -log mass of a boxed object's word map on its cells (0 without box supervision)
-    separation: Tensor  # scalar: mean cosine similarity of two thing words' maps in one caption (0 when its weight is 0)
 
 
 class Criterion(Protocol):
@@ -58,8 +55,6 @@ def caption_loss(
     box_cells: Tensor | None = None,
     box_weight: float = 0.0,
     images: Tensor | None = None,
-    separation_weight: float = 0.0,
-    things: Tensor | None = None,
 ) -> LossOutput:
     """Cross-entropy over real tokens + `coverage_weight * mean_regions (1 - sum_t alpha)^2` (Show,
     Attend and Tell's doubly stochastic term, averaged so it does not grow with the grid) +
@@ -82,13 +77,11 @@ def caption_loss(
             (`BoxTargets.cells`); with `box_weight`, those words' maps are pulled into them.
         images: (N,) int64 the image id of each of the pass's grids when they are a frozen encoder's
             cached ones (a teacher may keep what it computed of a photo), else None.
-        separation_weight: asks the things a caption names to look at different cells (`separation`).
-        things: (V,) bool, the words that name things (`thing_words`), for `separation_weight`.
     """
     targets = tokens[out.caption, out.step + 1]  # (P,)
     xent = F.cross_entropy(out.logits.float(), targets, label_smoothing=label_smoothing)
     zero = xent.new_zeros(())
-    coverage = entropy = box = apart = zero
+    coverage = entropy = box = zero
     if coverage_weight:
         B, L = tokens.size(0), out.alphas.size(-1)
         looked = torch.zeros(B, L, device=tokens.device).index_add_(0, out.caption, out.alphas.float())  # (B, L)
@@ -106,10 +99,7 @@ def caption_loss(
     if box_weight and box_cells is not None:
         box = box_attention(out, box_cells)
         total = total + box_weight * box
-    if separation_weight and things is not None:
-        apart = separation(out, targets, things)
-        total = total + separation_weight * apart
-    return LossOutput(total, xent, coverage, entropy, zero, box, apart)
+    return LossOutput(total, xent, coverage, entropy, zero, box)
 
 
 def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Tensor | None = None,
@@ -199,12 +189,11 @@ class CaptionCriterion:
     """`caption_loss` with a run's weights and teacher (`build_criterion`), and the detector outputs
     each batch trains (`detector_outputs`, `train.concept_negatives`)."""
 
-    def __init__(self, cfg: TrainConfig, teacher: Teacher | None, slots: Tensor | None, vocab_size: int | None,
-                 things: Tensor | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, teacher: Teacher | None, slots: Tensor | None, vocab_size: int | None) -> None:
         self.loss = functools.partial(
             caption_loss, coverage_weight=cfg.coverage_weight, entropy_weight=cfg.entropy_weight,
             label_smoothing=cfg.label_smoothing, concept_weight=cfg.concept_weight, teacher=teacher, slots=slots,
-            box_weight=cfg.box_weight, separation_weight=cfg.separation_weight, things=things)
+            box_weight=cfg.box_weight)
         self.slots, self.vocab_size, self.negatives = slots, vocab_size, cfg.concept_negatives
 
     def __call__(self, out: DecoderOutput, tokens: Tensor, box_cells: Tensor | None = None,
@@ -222,7 +211,4 @@ def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: 
     (`build_teacher`). Without `vocab` the detector scores every output at every step."""
     slots = concept_slots(vocab, cfg.concept_groups) if vocab is not None else None
     teacher = build_teacher(cfg, vocab, encoder, slots)
-    if cfg.separation_weight and vocab is None:
-        raise ValueError("train.separation_weight needs the run's vocabulary")
-    things = thing_words(vocab) if cfg.separation_weight else None
-    return CaptionCriterion(cfg, teacher, slots, len(vocab) if vocab is not None else None, things)
+    return CaptionCriterion(cfg, teacher, slots, len(vocab) if vocab is not None else None)

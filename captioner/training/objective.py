@@ -56,12 +56,11 @@ def sampling_probability(final: float, epoch: int, epochs: int) -> float:
 
 
 def logged_terms(means: Mapping[str, float], cfg: TrainConfig) -> dict[str, float]:
-    """`loss` and `xent` always; `coverage`, `entropy`, `box` and `separation` when their weights are set."""
+    """`loss` and `xent` always; `coverage`, `entropy` and `box` when their weights are set."""
     return {"loss": means["total"], "xent": means["xent"],
             **({"coverage": means["coverage"]} if cfg.coverage_weight else {}),
             **({"entropy": means["entropy"]} if cfg.entropy_weight else {}),
-            **({"box": means["box"]} if cfg.box_weight else {}),
-            **({"separation": means["separation"]} if cfg.separation_weight else {})}
+            **({"box": means["box"]} if cfg.box_weight else {})}
 
 
 class CrossEntropy:

@@ -121,7 +121,7 @@ class SelfCritical:
         finally:
             decoder.train(was_training)
         zero = total.new_zeros(())
-        return BatchLoss(LossOutput(total, xent, zero, zero, reward.mean(), zero, zero), len(tokens), len(tokens))
+        return BatchLoss(LossOutput(total, xent, zero, zero, reward.mean(), zero), len(tokens), len(tokens))
 
     def _baseline(self, reward: Tensor, features: Tensor, image_ids: list[int]) -> Tensor:
         """(R,) what each sample's reward is measured against: the mean reward of its image's other

@@ -53,7 +53,7 @@ class Meter:
     """Running sums since the last metrics line: each `LossOutput` term weighted by its captions (kept
     on the device: no sync per step), and the captions, tokens, steps and seconds."""
 
-    TERMS = LossOutput._fields  # total, xent, coverage, entropy, reward, box, separation
+    TERMS = LossOutput._fields  # total, xent, coverage, entropy, reward, box
     COUNTS = ("captions", "tokens", "steps", "seconds")
 
     def __init__(self) -> None:
