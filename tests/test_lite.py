@@ -15,7 +15,8 @@ from captioner.cli import main
 from captioner.config import DecodeConfig, DecoderConfig
 from captioner.data.vocab import build_vocabulary
 from captioner.decoding import numpy_search
-from captioner.decoding.search import beam_search, block_repeated_ngrams, block_repeated_words
+from captioner.decoding.rules import block_repeated_ngrams, block_repeated_words
+from captioner.decoding.search import beam_search
 from captioner.decoding.text import TextError
 from captioner.deploy import FormatError
 from captioner.model.decoder import AttentionDecoder

@@ -6,8 +6,8 @@ import torch
 
 from captioner.config import DecodeConfig, DecoderConfig
 from captioner.data.vocab import Vocabulary
-from captioner.decoding.search import (beam_search, block_repeated_ngrams, block_repeated_words, decode, decode_n_best,
-                                       length_penalty)
+from captioner.decoding.rules import block_repeated_ngrams, block_repeated_words
+from captioner.decoding.search import beam_search, decode, decode_n_best, length_penalty
 from captioner.model.decoder import AttentionDecoder
 
 B, L, D, V = 4, 9, 16, 30

@@ -1,6 +1,7 @@
 """Decoding: grids -> captions with per-word attention, and how good they are.
 
     search.py      batched beam search (K = 1 is greedy), each word with its attention map
+    rules.py       what a search may write next: banned ids, n-gram blocking, a content word once
     sampling.py    captions drawn from the model (self-critical training)
     captioner.py   `Captioner`: the Python API, images or files -> `Caption`s
     caption.py     `Caption`: the words, their scores, each word's map, the JSON

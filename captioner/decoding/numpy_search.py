@@ -121,6 +121,41 @@ class _Beams:
         return rows
 
 
+class _Rules:
+    """What the search may write next (as `rules.Rules`): never a banned id; <end> not before
+    `min_length` words nor right after a `no_end_after` id; no repeated `no_repeat_ngram`-gram; the
+    `once` ids at most once per caption."""
+
+    def __init__(self, banned_ids: Sequence[int], end_id: int, min_length: int, no_repeat_ngram: int,
+                 no_end_after: Sequence[int], once: Sequence[int]) -> None:
+        self.banned = np.asarray(list(banned_ids), dtype=np.int64)
+        self.end_id, self.min_length, self.no_repeat_ngram = end_id, min_length, no_repeat_ngram
+        self.no_end_after, self.once_ids = list(no_end_after), list(once)
+        self.no_end: np.ndarray | None = None  # (V,) bool: ids after which <end> is not allowed
+        self.once: np.ndarray | None = None  # (V,) bool: ids written at most once
+
+    def log_probs(self, logits: np.ndarray, words: np.ndarray, t: int) -> np.ndarray:
+        """(R, V) logits of step t after (R, t) words -> (R, V) float32 log-probs, -inf where not allowed."""
+        logp = log_softmax(logits)  # (R, V)
+        V = logp.shape[1]
+        logp[:, self.banned] = NEG_INF
+        if t < self.min_length:
+            logp[:, self.end_id] = NEG_INF
+        if self.no_repeat_ngram:
+            block_repeated_ngrams(logp, words, self.no_repeat_ngram)
+        if self.no_end_after and t > 0:
+            if self.no_end is None:
+                self.no_end = np.zeros(V, dtype=bool)
+                self.no_end[self.no_end_after] = True
+            logp[self.no_end[words[:, -1]], self.end_id] = NEG_INF  # beams whose last word is a function word
+        if self.once_ids:
+            if self.once is None:
+                self.once = np.zeros(V, dtype=bool)
+                self.once[self.once_ids] = True
+            block_repeated_words(logp, words, self.once)
+        return logp
+
+
 def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, beam_size: int,
                 max_length: int, start_id: int, end_id: int, banned_ids: Sequence[int] = (),
                 length_penalty: float = 1.0, no_repeat_ngram: int = 0, min_length: int = 0, n_best: int = 1,
@@ -142,29 +177,12 @@ def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.
                    features[image_of_row], keys[image_of_row], scores, np.empty((B * K, 0), dtype=np.int64),
                    np.empty((B * K, 0, L), dtype=np.float32))
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
-    banned = np.asarray(list(banned_ids), dtype=np.int64)
-    no_end = None  # (V,) bool: ids after which <end> is not allowed
-    once_mask = None  # (V,) bool: ids written at most once
+    rules = _Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, once)
     for t in range(max_length + 1):
         n = len(beams.ids)
         logits, alpha, state = step(beams.tokens, beams.state, beams.features, beams.keys)  # (R, V), (R, L), (R, S)
         V = logits.shape[1]
-        logp = log_softmax(logits)  # (R, V)
-        logp[:, banned] = NEG_INF
-        if t < min_length:
-            logp[:, end_id] = NEG_INF
-        if no_repeat_ngram:
-            block_repeated_ngrams(logp, beams.words, no_repeat_ngram)
-        if no_end_after and t > 0:
-            if no_end is None:
-                no_end = np.zeros(V, dtype=bool)
-                no_end[list(no_end_after)] = True
-            logp[no_end[beams.words[:, -1]], end_id] = NEG_INF  # beams whose last word is a function word
-        if len(once):
-            if once_mask is None:
-                once_mask = np.zeros(V, dtype=bool)
-                once_mask[list(once)] = True
-            block_repeated_words(logp, beams.words, once_mask)
+        logp = rules.log_probs(logits, beams.words, t)  # (R, V)
         cand = (beams.scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K·V)
         top_scores, top_idx = _top(cand, min(2 * K, K * V))  # (n, 2K): K live beams survive any K <end>s
         top_beam, top_tok = top_idx // V, top_idx % V  # (n, 2K)

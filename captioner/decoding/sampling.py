@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from captioner.decoding.search import ban
+from captioner.decoding.rules import ban
 from captioner.model.decoder import AttentionDecoder
 
 

@@ -20,7 +20,7 @@ named functions, as fairseq's `SequenceGenerator` has them: `_expand`, `_top_can
 `_finalize`, `_prune`, `_advance`, `_best`.
 
 Log-probabilities come from a float32 log-softmax over the full vocabulary; banned ids
-(`<pad>`, `<start>`, `<unk>` in `decode`) are set to -inf *after* it (`ban`, which sampling uses
+(`<pad>`, `<start>`, `<unk>` in `decode`) are set to -inf *after* it (`rules.ban`, which sampling uses
 too), so a score is the model's own probability of the words it wrote. Callers put the decoder in
 eval mode (dropout off) and run under `torch.inference_mode()`; these functions also disable
 autograd themselves. Nothing here picks a device: every tensor follows `features`.
@@ -37,9 +37,9 @@ from torch import Tensor
 
 from captioner.config import DecodeConfig
 from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
+from captioner.decoding.rules import NEG_INF, Rules
 from captioner.model.decoder import AttentionDecoder, Memory
 
-NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -76,58 +76,6 @@ def _hypothesis(tokens: list[int], logprob: float, alphas: Tensor, finished: boo
     return Hypothesis(tokens, logprob, score, alphas, finished)
 
 
-def ban(scores: Tensor, banned: Tensor, end_id: int, too_short: Tensor | bool) -> Tensor:
-    """What decoding and sampling never write, set to -inf in (R, V) `scores`, in place: the `banned`
-    ids (int64 (N,)) in every row, <end> in the rows with fewer than `min_length` words (`too_short`:
-    a bool for all rows, or (R,) bool). SCST masks its packed logits with it too."""
-    scores.index_fill_(1, banned, NEG_INF)
-    if isinstance(too_short, Tensor):
-        scores[:, end_id].masked_fill_(too_short, NEG_INF)
-    elif too_short:
-        scores[:, end_id] = NEG_INF
-    return scores
-
-
-def block_repeated_ngrams(logp: Tensor, words: Tensor, n: int) -> Tensor:
-    """Set to -inf, in place, every token that would repeat an n-gram already in a row's words.
-
-    Args:
-        logp: (R, V) log-probs of the next token.
-        words: (R, t) the words generated so far in each row.
-        n: n-gram size (>= 1); with n = 1 no word is ever repeated.
-    Returns:
-        logp, modified in place.
-    """
-    t = words.size(1)
-    if n <= 0 or t < n:  # no complete n-gram yet
-        return logp
-    windows = words.unfold(1, n, 1)  # (R, W, n) every n-gram so far, W = t - n + 1
-    if n == 1:
-        match = torch.ones(windows.shape[:2], dtype=torch.bool, device=words.device)  # (R, W)
-    else:
-        prefix = words[:, t - n + 1 :]  # (R, n - 1) the last n-1 words
-        match = (windows[:, :, :-1] == prefix.unsqueeze(1)).all(dim=-1)  # (R, W)
-    penalty = torch.zeros(match.shape, dtype=logp.dtype, device=logp.device).masked_fill(match, NEG_INF)  # (R, W)
-    # -inf + 0 and -inf + -inf are both -inf, so duplicates and unmatched windows are harmless.
-    return logp.scatter_add_(1, windows[:, :, -1], penalty)
-
-
-def block_repeated_words(logp: Tensor, words: Tensor, once: Tensor) -> Tensor:
-    """Set to -inf, in place, every word a row has written already that may appear only once.
-
-    Args:
-        logp: (R, V) log-probs of the next token.
-        words: (R, t) the words generated so far in each row.
-        once: (V,) bool, the ids written at most once per caption (content words: no "a hat and a hat").
-    Returns:
-        logp, modified in place.
-    """
-    if words.size(1):
-        penalty = torch.zeros(words.shape, dtype=logp.dtype, device=logp.device).masked_fill(once[words], NEG_INF)
-        logp.scatter_add_(1, words, penalty)  # (R, t): -inf where a once-only word was written, 0 elsewhere
-    return logp
-
-
 class _Beams(NamedTuple):
     """The live beams of the n images still searched: R = n·K rows, image by image."""
 
@@ -148,38 +96,6 @@ class _Top(NamedTuple):
     token: Tensor
     is_end: Tensor
     any_end: bool  # most steps have none: nothing to sort out
-
-
-class _Rules:
-    """What a search may write next: never a banned id; <end> not before `min_length` words nor right
-    after a function word (`no_end_after`); no repeated `no_repeat_ngram`-gram; the `once` ids at
-    most once per caption."""
-
-    def __init__(self, banned_ids: Sequence[int], end_id: int, min_length: int, no_repeat_ngram: int,
-                 no_end_after: Sequence[int], once: Sequence[int], device: torch.device) -> None:
-        self.banned = torch.tensor(list(banned_ids), dtype=torch.long, device=device)
-        self.end_id, self.min_length = end_id, min_length
-        self.no_repeat_ngram, self.no_end_after, self.once_ids = no_repeat_ngram, list(no_end_after), list(once)
-        self.no_end: Tensor | None = None  # (V,) bool: ids after which <end> is not allowed
-        self.once: Tensor | None = None  # (V,) bool: ids written at most once
-
-    def log_probs(self, logits: Tensor, words: Tensor, t: int) -> Tensor:
-        """(R, V) logits of step t after (R, t) words -> (R, V) float32 log-probs, -inf where not allowed."""
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
-        ban(logp, self.banned, self.end_id, t < self.min_length)
-        if self.no_repeat_ngram:
-            block_repeated_ngrams(logp, words, self.no_repeat_ngram)
-        if self.no_end_after and t > 0:
-            if self.no_end is None:
-                self.no_end = torch.zeros(logp.size(-1), dtype=torch.bool, device=logp.device)
-                self.no_end[self.no_end_after] = True
-            logp[:, self.end_id].masked_fill_(self.no_end[words[:, -1]], NEG_INF)  # last word a function word
-        if self.once_ids:
-            if self.once is None:
-                self.once = torch.zeros(logp.size(-1), dtype=torch.bool, device=logp.device)
-                self.once[self.once_ids] = True
-            block_repeated_words(logp, words, self.once)
-        return logp
 
 
 @torch.no_grad()
@@ -208,7 +124,7 @@ def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best {n_best}: expected 1 to beam_size ({beam_size})")
-    K, rules = beam_size, _Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, once,
+    K, rules = beam_size, Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, once,
                                  features.device)
     beams = _expand(decoder, features, K, start_id)
     finals: list[list[Hypothesis]] = [[] for _ in range(features.size(0))]

@@ -31,7 +31,8 @@ from captioner.data.datasets import ImageBatch, collate_images, pad_captions
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.decoding.cider import CiderD
 from captioner.decoding.sampling import sample
-from captioner.decoding.search import ban, decode
+from captioner.decoding.rules import ban
+from captioner.decoding.search import decode
 from captioner.model.caption_model import CaptionModel
 from captioner.training.loss import LossOutput
 from captioner.training.objective import BatchLoss, logged_terms
