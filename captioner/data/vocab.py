@@ -100,6 +100,10 @@ class Vocabulary:
         """The word with id `idx`."""
         return self._itos[idx]
 
+    def function_ids(self) -> list[int]:
+        """The ids of the `FUNCTION_WORDS` this vocabulary holds (a caption never ends on one)."""
+        return [self.id(w) for w in sorted(FUNCTION_WORDS) if w in self]
+
     def content_ids(self) -> list[int]:
         """The ids of the content words: neither a special nor one of the `FUNCTION_WORDS`."""
         return [i for i, w in enumerate(self._itos) if i >= len(SPECIALS) and w not in FUNCTION_WORDS]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from captioner.config import DecodeConfig
-from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
+from captioner.data.vocab import Vocabulary
 
 NEG_INF = np.float32(-np.inf)
 # tokens (R,) int64, state (R, S), features (R, L, D), keys (R, L, A) -> logits (R, V), alpha (R, L), state (R, S)
@@ -252,7 +252,7 @@ def decode_n_best(step: Step, features: np.ndarray, keys: np.ndarray, initial: n
     no <end> after a function word when `cfg.no_dangling`, no content word twice when
     `cfg.no_repeat_words`; each image's best `n_best`, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
-    function_ids = [vocab.id(w) for w in sorted(FUNCTION_WORDS) if w in vocab] if cfg.no_dangling else []
+    function_ids = vocab.function_ids() if cfg.no_dangling else []
     once = vocab.content_ids() if cfg.no_repeat_words else []
     return beam_search(step, features, keys, initial, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id,
                        banned, length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,

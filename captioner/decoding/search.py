@@ -36,10 +36,9 @@ import torch
 from torch import Tensor
 
 from captioner.config import DecodeConfig
-from captioner.data.vocab import FUNCTION_WORDS, Vocabulary
+from captioner.data.vocab import Vocabulary
 from captioner.decoding.rules import NEG_INF, Rules
 from captioner.model.decoder import AttentionDecoder, Memory
-
 
 
 @dataclass(frozen=True)
@@ -238,7 +237,7 @@ def decode_n_best(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig
                   n_best: int) -> list[list[Hypothesis]]:
     """`decode`, keeping each image's best `n_best` (<= cfg.beam_size) hypotheses, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
-    function_ids = [vocab.id(w) for w in sorted(FUNCTION_WORDS) if w in vocab] if cfg.no_dangling else []
+    function_ids = vocab.function_ids() if cfg.no_dangling else []
     once = vocab.content_ids() if cfg.no_repeat_words else []
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
                        length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
