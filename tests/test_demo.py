@@ -11,10 +11,11 @@ from captioner.cli import main
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_MARKER = "`make demo` ends like this"
 
-# The target for the demo model. Chance level: an object's box holds about 8-16% of the
+# The attention issue's target for the demo model (it keeps >= 0.95; 0.977 now, 0.946 before the word
+# detector taught its maps). Chance level: an object's box holds about 8-16% of the
 # cell centres, so a peak placed at random lands inside 8-16% of the time (the printed table's
 # `centre` and `even` columns are the baselines on the same words).
-GROUNDING_TARGET = 0.90
+GROUNDING_TARGET = 0.95
 
 # How far a number the README shows may be from the one the demo prints: 1% of it, or one unit of
 # its last printed digit, whichever is more. One machine prints the same digits every run; another
