@@ -1,6 +1,7 @@
-"""Training loss: cross-entropy over real tokens plus two optional attention terms, the doubly
-stochastic coverage term (every region looked at about once per caption) and an entropy penalty
-(each word looks at few regions).
+"""Training loss: cross-entropy over real tokens plus optional attention terms: the doubly
+stochastic coverage term (every region looked at about once per caption), an entropy penalty
+(each word looks at few regions), the word detector's teacher (`concept_weight`) and box
+supervision (`box_weight`).
 
 Shapes: B captions, T + 1 tokens, P real (scored) positions, V vocabulary, L regions.
 """
