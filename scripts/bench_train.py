@@ -9,9 +9,11 @@ Both ways train the same model (same initial weights, batch size) for one epoch:
                 projected once for all of them (`train.group_by_image`);
   (b) encoder:  every caption's JPEG is decoded, resized and run through the frozen encoder, in a
                 plain shuffled caption order, as most implementations do; then the same decoder step.
-A third row, (a) in (b)'s plain caption order, shows what the grouping contributes; with a word
+A third row, (a) in (b)'s plain caption order, shows what the grouping contributes; a fourth, (a)
+with batches of similar caption lengths (`train.group_by_length`), what that saves; with a word
 detector (`model.decoder.concepts`), a fourth, (a) with the detector scoring every word of the
 vocabulary at every step instead of the batch's words and `train.concept_negatives` others.
+Each row's mean decoder steps per batch (the longest caption's tokens) beside it.
 Printed: captions/s of each and the ratio (a)/(b), tokens/s, peak RSS, the achieved GFLOP/s of (a)
 (FLOPs counted with FlopCounterMode over its first batches: matmuls, convolutions) next to this
 machine's matmul peak, and, with --amp, float32 vs bf16 autocast for the cached steps.
@@ -64,7 +66,8 @@ def matmul_peak(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32
     return 2 * n**3 / best / 1e9
 
 
-def one_epoch(model, loader, tc: TrainConfig, vocab, cached: bool, amp_dtype: torch.dtype | None = None) -> Meter:
+def one_epoch(model, loader, tc: TrainConfig, vocab, cached: bool, amp_dtype: torch.dtype | None = None,
+              encoder: str = "") -> Meter:
     """Train a copy of `model` for one pass over `loader` with the optimiser and loss `captioner
     train` builds from `tc`; the meter holds captions, tokens, seconds."""
     model = copy.deepcopy(model)
@@ -72,12 +75,19 @@ def one_epoch(model, loader, tc: TrainConfig, vocab, cached: bool, amp_dtype: to
     optimizer = build_optimizer(model, tc)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    objective = CrossEntropy(net, tc, build_criterion(tc, vocab), torch.device("cpu"), amp_dtype)
+    objective = CrossEntropy(net, tc, build_criterion(tc, vocab, encoder), torch.device("cpu"), amp_dtype)
     meter = Meter()
     torch.manual_seed(0)
     train_one_epoch(objective, loader, optimizer, scheduler, scaler, meter, grad_clip=tc.grad_clip,
                     progress=sys.stderr.isatty(), desc="cached" if cached else "encoder")
     return meter
+
+
+def mean_steps(sampler: EpochBatchSampler, dataset: CaptionDataset) -> float:
+    """Decoder steps per batch of one epoch of `sampler`: its longest caption's scored tokens."""
+    lengths = dataset.lengths
+    batches = list(sampler)
+    return sum(max(lengths[i] for i in b) - 1 for b in batches) / len(batches)
 
 
 def flops_per_caption(model, loader, criterion: Criterion, batches: int = 20) -> float:
@@ -152,25 +162,32 @@ def main(argv: list[str] | None = None) -> int:
         build_s = time.perf_counter() - tick
         print(f"cache build (once): {len(train_records) / build_s:.1f} images/s, {cache.nbytes / 2**20:.0f} MB")
 
-        def loader(dataset, grouped: bool) -> DataLoader:
+        def loader(dataset, grouped: bool, by_length: bool = False) -> DataLoader:
             groups = dataset.image_of if grouped else None
-            sampler = EpochBatchSampler(len(dataset), batch_size, seed=0, groups=groups)
+            lengths = dataset.lengths if by_length else None
+            sampler = EpochBatchSampler(len(dataset), batch_size, seed=0, groups=groups, lengths=lengths)
             return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=args.workers,
                               generator=torch.Generator().manual_seed(0))
 
         cached_set = CaptionDataset(train_records, vocab, cfg.data.max_length, cache=cache)
         image_set = CaptionDataset(train_records, vocab, cfg.data.max_length,
                                    transform=model.encoder.transform(train=False))
+
+        def epoch(loader_, tc_: TrainConfig = cfg.train, cached: bool = True) -> Meter:
+            return one_epoch(model, loader_, tc_, vocab, cached, amp_dtype, enc.name)
+
         tc = cfg.train
-        a = one_epoch(model, loader(cached_set, tc.group_by_image), tc, vocab, cached=True, amp_dtype=amp_dtype)
-        a_plain = one_epoch(model, loader(cached_set, False), tc, vocab, cached=True, amp_dtype=amp_dtype)
+        a = epoch(loader(cached_set, tc.group_by_image))
+        a_plain = epoch(loader(cached_set, False))
+        a_length = epoch(loader(cached_set, tc.group_by_image, True))
+        steps = {by_length: mean_steps(loader(cached_set, tc.group_by_image, by_length).batch_sampler, cached_set)
+                 for by_length in (False, True)}
         a_all = None
         if cfg.model.decoder.concepts:
-            every = dataclasses.replace(tc, concept_negatives=-1)
-            a_all = one_epoch(model, loader(cached_set, tc.group_by_image), every, vocab, cached=True,
-                              amp_dtype=amp_dtype)
-        b = one_epoch(model, loader(image_set, False), tc, vocab, cached=False, amp_dtype=amp_dtype)
-        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), build_criterion(tc, vocab)) * a.captions
+            a_all = epoch(loader(cached_set, tc.group_by_image), dataclasses.replace(tc, concept_negatives=-1))
+        b = epoch(loader(image_set, False), cached=False)
+        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image),
+                                  build_criterion(tc, vocab, enc.name)) * a.captions
         amp = None
         if args.amp:
             batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 4))
@@ -182,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     achieved = flops / a.seconds / 1e9
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = [("(a) cached, grouped by image", a), ("(a) cached, plain caption order", a_plain),
+            ("(a) grouped, similar lengths", a_length),
             *([("(a) detector scoring all words", a_all)] if a_all is not None else []),
             ("(b) encoder on every caption", b)]
     print(f"{'way':34s} {'captions':>8s} {'seconds':>8s} {'captions/s':>11s} {'tokens/s':>9s}")
@@ -189,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:34s} {m.captions:8d} {m.seconds:8.1f} {m.captions / m.seconds:11,.1f} "
               f"{m.tokens / m.seconds:9,.0f}")
     print(f"speed-up (a)/(b): {rate_a / rate_b:.1f}x   (grouping alone: {rate_a / rate_a_plain:.2f}x"
+          + f"; similar lengths: {a_length.captions / a_length.seconds / rate_a:.2f}x, decoder steps per batch "
+            f"{steps[False]:.1f} -> {steps[True]:.1f}"
           + (f"; the detector on the batch's words + {tc.concept_negatives} others instead of all "
              f"{len(vocab)}: {rate_a / (a_all.captions / a_all.seconds):.2f}x" if a_all is not None else "") + ")")
     print(f"(a) achieved: {achieved:.1f} GFLOP/s ({flops / a.captions / 1e6:.0f} MFLOP per caption, fwd+bwd, "

@@ -122,13 +122,16 @@ def test_killed_run_resumes_to_the_same_weights(tiny, tmp_path):
 
 def test_stop_mid_epoch_then_resume_matches_a_full_run_and_overrides_extend_it(tiny, tmp_path):
     """The in-process stop hook at a mid-epoch step, with validation every 7 steps; then a finished run
-    extended by `train.epochs=4`."""
-    overrides = ["model.decoder.init_pooling=attention", "train.val_every_steps=7", "train.group_by_image=false"]
+    extended by `train.epochs=4`. Batches of similar lengths (`train.group_by_length`) resume exactly too."""
+    overrides = ["model.decoder.init_pooling=attention", "train.val_every_steps=7", "train.group_by_image=false",
+                 "train.group_by_length=true"]
     cfg = run_config(tiny, overrides)
     stopped = train(cfg, tmp_path / "run", "cpu", stop_after_steps=13)
     assert stopped.steps == 13
-    state = load_checkpoint(tmp_path / "run" / "last.pt").train_state["position"]
+    train_state = load_checkpoint(tmp_path / "run" / "last.pt").train_state
+    state = train_state["position"]
     assert (state["epoch"], state["batch"], state["step"]) == (1, 3, 13)
+    assert train_state["data_order"]["group_by_length"] and not train_state["data_order"]["group_by_image"]
     last = tmp_path / "run" / "last.pt"
     resumed = train(run_config(None, [], resume=last), tmp_path / "run", "cpu", resume=last)
     full = train(cfg, tmp_path / "full", "cpu")
@@ -202,10 +205,13 @@ def test_encoder_weights_option_loads_the_named_file(tiny, tmp_path, capsys):
 @pytest.mark.parametrize("n, batch, world",
                          [(160, 16, 1), (161, 16, 2), (33, 16, 2), (7, 2, 3), (5, 4, 4), (40, 64, 3)])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_epoch_batches_cover_every_item_once_with_equal_steps_per_rank(n, batch, world, grouped):
+@pytest.mark.parametrize("by_length", [False, True])
+def test_epoch_batches_cover_every_item_once_with_equal_steps_per_rank(n, batch, world, grouped, by_length):
     groups = [i // 5 for i in range(n)] if grouped else None
+    lengths = [3 + (7 * i) % 11 for i in range(n)] if by_length else None
     for epoch in (0, 1):
-        per_rank = [epoch_batches(n, batch, 0, epoch, r, world, groups=groups) for r in range(world)]
+        per_rank = [epoch_batches(n, batch, 0, epoch, r, world, groups=groups, lengths=lengths, pool=2)
+                    for r in range(world)]
         assert {len(b) for b in per_rank} == {steps_per_epoch(n, batch, world)}
         seen = sorted(i for batches in per_rank for b in batches for i in b)
         assert seen == list(range(n))
@@ -232,6 +238,29 @@ def test_grouping_keeps_an_images_captions_together_at_the_configs_batch_size(wo
     assert max(spans.values()) == 2 and sum(n == 1 for n in spans.values()) > 400  # most images stay whole
     scattered = [len({groups[i] for i in b}) for b in batches(False)]
     assert sum(scattered) / len(scattered) > 25
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_grouping_by_length_shortens_batches_and_stays_a_shuffle(grouped):
+    """Captions of Flickr8k-like lengths (6-21 tokens): sorted in pools of 50 batches, a batch's longest
+    caption is much shorter on average (the decoder runs one step per token of it); an image's captions
+    still share a batch, and each epoch is another order."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = (6 + torch.poisson(torch.full((5000,), 6.0), generator=gen).clamp(max=15)).long().tolist()
+    groups = [i // 5 for i in range(5000)] if grouped else None
+
+    def longest(by_length, epoch=0):
+        batches = epoch_batches(5000, 32, 0, epoch, groups=groups, lengths=lengths if by_length else None)
+        return [max(lengths[i] for i in b) for b in batches], batches
+
+    plain, _ = longest(False)
+    sorted_, batches = longest(True)
+    assert sum(sorted_) / len(sorted_) < 0.9 * sum(plain) / len(plain)
+    if grouped:
+        spans = Counter(groups[i] for b in batches for i in {groups[i]: i for i in b}.values())
+        assert max(spans.values()) <= 2 and sum(n == 1 for n in spans.values()) > 800
+    assert longest(True, 1)[1] != batches and longest(True, 0)[1] == batches
+    assert sorted(i for b in batches for i in b) == list(range(5000))
 
 
 def test_schedules():

@@ -111,6 +111,11 @@ class CaptionDataset(_ImageInputs):
         """The image_id of every item, in item order (an image's captions are consecutive items)."""
         return self._image_of.tolist()
 
+    @property
+    def lengths(self) -> list[int]:
+        """The length in tokens of every item's encoded caption (`<start>`, words, `<end>`), in item order."""
+        return np.diff(self._offsets).tolist()
+
     def _tokens_of(self, i: int) -> Tensor:
         return torch.from_numpy(self._tokens[self._offsets[i]: self._offsets[i + 1]].copy())  # (T_i,)
 

@@ -27,7 +27,7 @@ def mix_seed(*values: int) -> int:
 
 def epoch_batches(
     n: int, batch_size: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
-    groups: Sequence[int] | None = None,
+    groups: Sequence[int] | None = None, lengths: Sequence[int] | None = None, pool: int = 50,
 ) -> list[list[int]]:
     """This rank's batches (lists of item indices) for `epoch`.
 
@@ -41,6 +41,12 @@ def epoch_batches(
     group's items follow one another: the five captions of an image land in one batch (and one
     rank), which then encodes or projects that image once for all of them (`seq_per_img` in
     neuraltalk2 and its descendants).
+
+    With `lengths` (each item's length), the shuffled order is cut into pools of `pool` global
+    batches and each pool sorted longest first (by a group's longest item), so a batch holds
+    captions of similar lengths and the decoder runs fewer steps on it (`group_by_length` of
+    Hugging Face's Trainer, which sorts "megabatches" of 50 batches the same way). The pools stay in
+    their random order, so an epoch is still a fresh mix.
     """
     if n < world_size:
         raise CaptionerError(f"{n} training captions are too few for {world_size} processes")
@@ -56,11 +62,37 @@ def epoch_batches(
         keys = list(members)
         order = [i for k in torch.randperm(len(keys), generator=g).tolist() for i in members[keys[k]]]
     per_step = batch_size * world_size
+    if lengths is not None:
+        order = _sorted_in_pools(order, lengths, groups, pool * per_step)
     chunks = [order[i : i + per_step] for i in range(0, n, per_step)]
     if len(chunks) > 1 and len(chunks[-1]) < world_size:
         last = chunks.pop()
         chunks[-1] = chunks[-1] + last
     return [_share(chunk, rank, world_size) for chunk in chunks]
+
+
+def _sorted_in_pools(order: list[int], lengths: Sequence[int], groups: Sequence[int] | None,
+                     pool_size: int) -> list[int]:
+    """`order` cut into pools of about `pool_size` items, each pool's units (an item, or a group's
+    consecutive items) sorted by their longest item, longest first (a stable sort: ties keep their
+    shuffled order)."""
+    units: list[list[int]] = []
+    for item in order:
+        if units and groups is not None and groups[units[-1][-1]] == groups[item]:
+            units[-1].append(item)
+        else:
+            units.append([item])
+    out: list[int] = []
+    start = 0
+    while start < len(units):
+        end, size = start, 0
+        while end < len(units) and size < pool_size:
+            size += len(units[end])
+            end += 1
+        for unit in sorted(units[start:end], key=lambda u: -max(lengths[i] for i in u)):
+            out.extend(unit)
+        start = end
+    return out
 
 
 def _share(chunk: list[int], rank: int, world_size: int) -> list[int]:
@@ -87,9 +119,11 @@ class EpochBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, groups: Sequence[int] | None = None) -> None:
+                 shuffle: bool = True, groups: Sequence[int] | None = None,
+                 lengths: Sequence[int] | None = None) -> None:
         self.n, self.batch_size, self.seed = n, batch_size, seed
         self.rank, self.world_size, self.shuffle, self.groups = rank, world_size, shuffle, groups
+        self.lengths = lengths
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -97,7 +131,7 @@ class EpochBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = epoch_batches(self.n, self.batch_size, self.seed, self.epoch, self.rank, self.world_size,
-                                self.shuffle, self.groups)
+                                self.shuffle, self.groups, self.lengths)
         yield from batches[self.start_batch:]
 
     def __len__(self) -> int:

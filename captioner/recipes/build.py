@@ -227,7 +227,8 @@ def build_objective(cfg: Config, model: CaptionModel, data: Data, vocab: Vocabul
                     boxes: Boxes | None = None) -> tuple[Objective, Dataset, EpochBatchSampler]:
     """The objective `train.objective` names, what its batches are made of and their order.
 
-    Cross-entropy batches `train.batch_size` captions (an image's together with `train.group_by_image`)
+    Cross-entropy batches `train.batch_size` captions (an image's together with `train.group_by_image`,
+    of similar lengths with `train.group_by_length`)
     and runs the decoder on cached grids, else the whole model. Self-critical training batches images,
     each sampled `train.scst_samples` times (about `batch_size` captions a step), and runs the decoder;
     with `train.scst_kl_weight` it keeps the decoder of `init` (else of `train.init`) frozen beside it.
@@ -241,7 +242,8 @@ def build_objective(cfg: Config, model: CaptionModel, data: Data, vocab: Vocabul
                                          model.encoder.cells) if tc.box_weight else None
         objective = CrossEntropy(net, tc, criterion, device, amp_dtype, targets)
         sampler = EpochBatchSampler(len(data.captions), tc.batch_size, tc.seed, dist.rank, dist.world_size,
-                                    groups=data.captions.image_of if tc.group_by_image else None)
+                                    groups=data.captions.image_of if tc.group_by_image else None,
+                                    lengths=data.captions.lengths if tc.group_by_length else None)
         return objective, data.train_set, sampler
     captions = data.captions
     images = ImageDataset(captions.records, cache=captions.cache,

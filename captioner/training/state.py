@@ -157,7 +157,7 @@ def data_order(run: Run) -> dict[str, int]:
     """What the data order depends on: a resume with other values cannot continue it exactly."""
     sm = run.sampler
     return {"captions": sm.n, "batch_size": sm.batch_size, "seed": sm.seed, "world_size": sm.world_size,
-            "group_by_image": sm.groups is not None}
+            "group_by_image": sm.groups is not None, "group_by_length": sm.lengths is not None}
 
 
 def _meta(run: Run) -> dict[str, Any]:
