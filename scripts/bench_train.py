@@ -10,10 +10,10 @@ Both ways train the same model (same initial weights, batch size) for one epoch:
   (b) encoder:  every caption's JPEG is decoded, resized and run through the frozen encoder, in a
                 plain shuffled caption order, as most implementations do; then the same decoder step.
 A third row, (a) in (b)'s plain caption order, shows what the grouping contributes; a fourth, (a)
-with batches of similar caption lengths (`train.group_by_length`), what that saves; with a word
-detector (`model.decoder.concepts`), a fourth, (a) with the detector scoring every word of the
-vocabulary at every step instead of the batch's words and `train.concept_negatives` others.
-Each row's mean decoder steps per batch (the longest caption's tokens) beside it.
+with batches of similar caption lengths (`train.group_by_length`), what that saves (with the decoder
+steps a batch runs either way: its longest caption's scored tokens); with a word detector
+(`model.decoder.concepts`), a fifth, (a) with the detector scoring every word of the vocabulary at
+every step instead of the batch's words and `train.concept_negatives` others.
 Printed: captions/s of each and the ratio (a)/(b), tokens/s, peak RSS, the achieved GFLOP/s of (a)
 (FLOPs counted with FlopCounterMode over its first batches: matmuls, convolutions) next to this
 machine's matmul peak, and, with --amp, float32 vs bf16 autocast for the cached steps.

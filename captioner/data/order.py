@@ -52,18 +52,19 @@ def epoch_batches(
         raise CaptionerError(f"{n} training captions are too few for {world_size} processes")
     g = torch.Generator().manual_seed(mix_seed(seed, epoch))
     if not shuffle:
-        order = list(range(n))
+        units = [[i] for i in range(n)]
     elif groups is None:
-        order = torch.randperm(n, generator=g).tolist()
+        units = [[i] for i in torch.randperm(n, generator=g).tolist()]
     else:
         members: dict[int, list[int]] = {}
         for item, group in enumerate(groups):
             members.setdefault(group, []).append(item)
         keys = list(members)
-        order = [i for k in torch.randperm(len(keys), generator=g).tolist() for i in members[keys[k]]]
+        units = [members[keys[k]] for k in torch.randperm(len(keys), generator=g).tolist()]
     per_step = batch_size * world_size
     if lengths is not None:
-        order = _sorted_in_pools(order, lengths, groups, pool * per_step)
+        units = _sorted_in_pools(units, lengths, pool * per_step)
+    order = [i for unit in units for i in unit]
     chunks = [order[i : i + per_step] for i in range(0, n, per_step)]
     if len(chunks) > 1 and len(chunks[-1]) < world_size:
         last = chunks.pop()
@@ -71,26 +72,17 @@ def epoch_batches(
     return [_share(chunk, rank, world_size) for chunk in chunks]
 
 
-def _sorted_in_pools(order: list[int], lengths: Sequence[int], groups: Sequence[int] | None,
-                     pool_size: int) -> list[int]:
-    """`order` cut into pools of about `pool_size` items, each pool's units (an item, or a group's
-    consecutive items) sorted by their longest item, longest first (a stable sort: ties keep their
-    shuffled order)."""
-    units: list[list[int]] = []
-    for item in order:
-        if units and groups is not None and groups[units[-1][-1]] == groups[item]:
-            units[-1].append(item)
-        else:
-            units.append([item])
-    out: list[int] = []
+def _sorted_in_pools(units: list[list[int]], lengths: Sequence[int], pool_size: int) -> list[list[int]]:
+    """`units` (an item, or a group's items) cut into pools of about `pool_size` items, each pool
+    sorted by its units' longest item, longest first (a stable sort: ties keep their shuffled order)."""
+    out: list[list[int]] = []
     start = 0
     while start < len(units):
         end, size = start, 0
         while end < len(units) and size < pool_size:
             size += len(units[end])
             end += 1
-        for unit in sorted(units[start:end], key=lambda u: -max(lengths[i] for i in u)):
-            out.extend(unit)
+        out.extend(sorted(units[start:end], key=lambda u: -max(lengths[i] for i in u)))
         start = end
     return out
 
