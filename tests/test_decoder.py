@@ -157,3 +157,68 @@ def test_global_context_feeds_the_grids_mean_at_every_step():
     a, b = dec.step(tokens[:, 0], state, memory), dec.step(tokens[:, 0], state, moved)
     torch.testing.assert_close(a.alpha, b.alpha)
     assert not torch.allclose(a.hidden, b.hidden)
+
+
+ATTRIBUTES = dataclasses.replace(CFG, concepts=True, attributes=6, attend="after", global_context=True)
+
+
+def test_attributes_are_the_detectors_noisy_or_presence_and_enter_the_initial_state():
+    """`attributes` K: the detector's photo-level p(word) = 1 - prod_regions (1 - sigmoid(score)) of its
+    first K outputs moves the initial state; its other outputs do not."""
+    torch.manual_seed(0)
+    dec = AttentionDecoder(V, D, ATTRIBUTES, grid=GRID).eval()
+    grid = torch.randn(B, L, D)
+    memory = dec.memory(grid)
+    scores = dec.concepts(grid)[:, :, :6]  # (B, L, K)
+    torch.testing.assert_close(memory.presence, 1 - torch.prod(1 - torch.sigmoid(scores), dim=1))
+    before = dec.init_hidden(memory)
+    with torch.no_grad():
+        dec.concepts.weight[6:].normal_()  # outputs past the first K: not read
+    torch.testing.assert_close(dec.init_hidden(dec.memory(grid)), before)
+    with torch.no_grad():
+        dec.concepts.weight[:6].normal_()
+    assert not torch.allclose(dec.init_hidden(dec.memory(grid)), before)
+
+
+def test_attributes_train_their_projection_but_not_the_detector():
+    """The caption loss reaches the attribute projection; the detector learns from the captions'
+    words alone (its gradient is the concept term's, the same with attributes on or off)."""
+    torch.manual_seed(0)
+    with_attributes = AttentionDecoder(V, D, ATTRIBUTES, grid=GRID)
+    without = AttentionDecoder(V, D, dataclasses.replace(ATTRIBUTES, attributes=0), grid=GRID)
+    without.load_state_dict(with_attributes.state_dict(), strict=False)
+    features, tokens, lengths = _batch()
+    with_attributes(features, tokens, lengths, detect=False).logits.sum().backward()
+    assert with_attributes.init_attributes.weight.grad.abs().sum() > 0
+    assert with_attributes.concepts.weight.grad is None
+    for dec in (with_attributes, without):
+        dec.zero_grad()
+        caption_loss(dec(features, tokens, lengths), tokens, concept_weight=1.0).total.backward()
+    torch.testing.assert_close(with_attributes.concepts.weight.grad, without.concepts.weight.grad)
+
+
+def test_teacher_forced_forward_equals_stepping_with_attributes():
+    dec = AttentionDecoder(V, D, ATTRIBUTES, grid=GRID).eval()
+    features, tokens, lengths = _batch()
+    out = dec(features, tokens, lengths, rows=torch.tensor([1, 0, 1, 0]))
+    logits = out.padded(out.logits, B, tokens.size(1) - 1)  # (B, T, V)
+    memory = dec.memory(features).select(torch.tensor([1, 0, 1, 0]))
+    step = dec.step(tokens[:, 0], dec.init_hidden(memory), memory)
+    torch.testing.assert_close(step.logits, logits[:, 0])
+
+
+@pytest.mark.parametrize("change, message", [({"concepts": False}, "concepts: true"),
+                                             ({"init_pooling": "none"}, "zeros")])
+def test_attributes_need_the_detector_and_an_initial_state(change, message):
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(ATTRIBUTES, **change)
+
+
+def test_attributes_pass_a_gradient_to_the_grid():
+    """Relevance maps differentiate a word's log-probability by the grid: the attribute path counts."""
+    torch.manual_seed(0)
+    dec = AttentionDecoder(V, D, ATTRIBUTES, grid=GRID).eval()
+    grid = torch.randn(B, L, D, requires_grad=True)
+    memory = dec.memory(grid)
+    memory.presence.sum().backward()
+    assert grid.grad.abs().sum() > 0 and dec.concepts.weight.grad is None
