@@ -342,7 +342,7 @@ def test_a_small_export_stores_the_decoder_in_float16_and_captions_as_its_rounde
     from captioner.deploy.export import half_weights
     from captioner.model.checkpoint import load_checkpoint, restore_model
 
-    checkpoint = _checkpoint(tmp_path / "tiny.pt", attend="after", global_context=True, concepts=True, attributes=8)
+    checkpoint = _checkpoint(tmp_path / "tiny.pt", attend="after", global_context=True, concepts=True)
     full = export_onnx(checkpoint, tmp_path / "full")
     small = export_onnx(checkpoint, tmp_path / "small", small=True)
     assert max(small.differences.values()) < 1e-4

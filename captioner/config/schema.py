@@ -31,7 +31,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "data": {"val_fold": ">= 0", "val_fraction": "[0, 1)", "test_fraction": "[0, 1)", "min_word_count": ">= 1", "max_length": ">= 2",
              "num_workers": ">= 0", "shapes_images": ">= 10"},
     "model.encoder": {"image_size": "[32, 4096]", "trainable_stages": ">= 0"},
-    "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0", "attributes": ">= 0",
+    "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
     "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
@@ -135,17 +135,6 @@ class DecoderConfig(_Section):
     # a per-region word detector trained from the captions alone (multiple-instance learning); with
     # train.concept_weight it shows the attention where each content word's evidence is
     concepts: bool = False
-    # the detector's photo-level probabilities of the K most frequent words enter the initial state
-    # (LSTM-A's attributes; needs concepts); 0 = the decoder never reads the detector
-    attributes: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.attributes and not self.concepts:
-            raise ConfigError("config key 'model.decoder.attributes': reads the word detector, model.decoder.concepts: true")
-        if self.attributes and self.init_pooling == "none":
-            raise ConfigError("config key 'model.decoder.attributes': enters the initial state, which "
-                              "init_pooling 'none' leaves at zeros")
 
 
 @dataclass(frozen=True)

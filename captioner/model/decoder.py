@@ -26,12 +26,8 @@ need only say *where*, and nothing asks a map to spread over the scene to carry 
 With `concepts` a linear word detector scores every region of the encoder's grid for every word
 of the vocabulary (multiple-instance learning from the captions alone, Fang et al. 2015: a word is
 in a photo's captions when some region shows it). Training pulls the attention of the step that
-writes a content word towards where its detector fires (`train.concept_weight`). With `attributes`
-K > 0 the decoder also reads it: the photo-level probabilities of its first K outputs (the K most
-frequent words; noisy-OR over the regions, detached: the detector keeps learning from the captions'
-words alone) enter the initial state, h0 = tanh(Linear(pool) + Linear(presence)), the attribute
-input of LSTM-A (Yao et al. 2017, "Boosting Image Captioning with Attributes"). The maps stay what
-the decoder used.
+writes a content word towards where its detector fires (`train.concept_weight`); the decoder never
+reads the detector, so the maps stay what the decoder used.
 
 Before all of this, once per image, the regions are projected from the encoder's width to
 `feature_dim` (ReLU(Linear)) and given learned row + column embeddings. CNN features say *what*
@@ -49,33 +45,24 @@ from captioner.config import DecoderConfig
 from captioner.model.attention import AttentionPool, BahdanauAttention
 
 
-def log_absent(scores: Tensor) -> Tensor:
-    """The word detector's region scores (N, L, K) -> (N, K) log(1 - p(word in the photo)) under the
-    noisy-OR p = 1 - prod_regions (1 - sigmoid(s)), in float32."""
-    return -nn.functional.softplus(scores.float()).sum(dim=1)
-
-
 @dataclass(frozen=True)
 class Memory:
     """What the decoder attends to, computed once per image and constant while decoding.
 
-    features: (B, L, D); keys: (B, L, A) = W1·features; presence: (B, K) the word detector's
-    photo-level probabilities of its first K outputs (`attributes`), or None.
+    features: (B, L, D); keys: (B, L, A) = W1·features.
     """
 
     features: Tensor
     keys: Tensor
-    presence: Tensor | None = None
 
     def select(self, rows: Tensor) -> Memory:
         """The memories of rows `rows` (R,) int64, in that order: (B, ...) -> (R, ...). One row may
         be selected many times (an image's captions in a training batch, its beams in a search)."""
-        presence = None if self.presence is None else self.presence.index_select(0, rows)
-        return Memory(self.features.index_select(0, rows), self.keys.index_select(0, rows), presence)
+        return Memory(self.features.index_select(0, rows), self.keys.index_select(0, rows))
 
     def head(self, n: int) -> Memory:
         """The first n rows (views, no copy)."""
-        return Memory(self.features[:n], self.keys[:n], None if self.presence is None else self.presence[:n])
+        return Memory(self.features[:n], self.keys[:n])
 
 
 @dataclass(frozen=True)
@@ -156,15 +143,12 @@ class AttentionDecoder(nn.Module):
         self.concepts = nn.Linear(feature_dim, vocab_size) if cfg.concepts else None
         if self.concepts is not None:
             nn.init.constant_(self.concepts.bias, -6.0)  # a word is rare in a region: noisy-OR starts near 0
-        self.attributes = min(cfg.attributes, vocab_size)
-        self.init_attributes = nn.Linear(self.attributes, H, bias=False) if self.attributes else None
         self.dropout = nn.Dropout(cfg.dropout)
         self.readout = nn.Linear(H + D + E, vocab_size)
 
     def memory(self, features: Tensor) -> Memory:
-        """(B, L, D_enc) encoder features -> Memory: the regions projected and placed (B, L, D),
-        their keys (B, L, A) and, with `attributes`, the detector's presence (B, K); once per image."""
-        presence = self._presence(features) if self.attributes else None  # (B, K)
+        """(B, L, D_enc) encoder features -> Memory: the regions projected and placed (B, L, D) and
+        their keys (B, L, A), computed once per image."""
         if self.project is not None:
             features = self.project(features)  # (B, L, D_enc) -> (B, L, D)
         if self.row_embedding is not None:
@@ -173,17 +157,7 @@ class AttentionDecoder(nn.Module):
                 raise ValueError(f"decoder built for a {H_}x{W_} grid got {features.size(1)} regions")
             position = (self.row_embedding[:, None] + self.col_embedding[None, :]).reshape(H_ * W_, -1)  # (L, D)
             features = features + position.to(features.dtype)  # (B, L, D)
-        return Memory(features, self.attention.keys(features), presence)
-
-    def _presence(self, grid: Tensor) -> Tensor:
-        """(B, L, D_enc) -> (B, K): p(word k in the photo) = 1 - prod_regions (1 - sigmoid(s_lk)), the
-        noisy-OR the detector is trained with (`concept_detection`), for its first K outputs. The
-        detector's weights are read detached (the captions' loss does not train it through here); a
-        gradient still reaches the grid (relevance maps)."""
-        K = self.attributes
-        weight, bias = self.concepts.weight[:K].detach(), self.concepts.bias[:K].detach()
-        scores = nn.functional.linear(grid, weight, bias)  # (B, L, K)
-        return -torch.expm1(log_absent(scores)).to(grid.dtype)  # (B, K)
+        return Memory(features, self.attention.keys(features))
 
     def init_hidden(self, memory: Memory) -> Tensor:
         """Memory -> (B, H) initial state (zeros with init_pooling 'none': then everything the
@@ -193,10 +167,7 @@ class AttentionDecoder(nn.Module):
             hidden = memory.features.new_zeros(memory.features.size(0), self.hidden_dim)  # (B, H)
         else:
             pooled = memory.features.mean(dim=1) if self.pool is None else self.pool(memory.features)  # (B, D)
-            hidden = self.init_h(pooled)  # (B, H)
-            if self.init_attributes is not None:
-                hidden = hidden + self.init_attributes(memory.presence)  # (B, K) -> (B, H)
-            hidden = torch.tanh(hidden)
+            hidden = torch.tanh(self.init_h(pooled))  # (B, H)
         if self.attend_after:
             hidden = torch.cat([hidden, torch.zeros_like(memory.features[:, 0])], dim=-1)  # (B, H + D)
         return hidden
