@@ -5,7 +5,7 @@ from scripts_under_test import load_script
 
 def test_bench_train_prints_every_row_on_a_tiny_set(capsys, tmp_path):
     bench = load_script("bench_train")
-    assert bench.main(["--config", "shapes", "--data", "shapes", "--limit-images", "12", "--threads", "1",
+    assert bench.main(["--config", "shapes", "--data", "shapes", "--limit-images", "12",
                        "--cache-dir", str(tmp_path), "data.shapes_images=20", "model.encoder.name=random",
                        "model.encoder.image_size=64"]) == 0
     out = capsys.readouterr().out
