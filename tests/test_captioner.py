@@ -50,6 +50,18 @@ def folder(tmp_path):
     return d
 
 
+def test_a_two_scale_model_maps_every_word_over_the_finer_grid(tmp_path):
+    vocab = build_vocabulary(CAPTIONS)
+    cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64, two_scale=True), decoder=MODEL.decoder)
+    model = build_model(cfg, len(vocab), pretrained=False)
+    path = save_checkpoint(tmp_path / "two.pt", Config(model=cfg), vocab, model.state_dict())
+    captioner = Captioner.from_checkpoint(path, device="cpu", decode=DecodeConfig(beam_size=2, max_length=5))
+    (caption,) = captioner.caption([_image(0)])
+    assert captioner.grid == (8, 8) and caption.attention.shape == (len(caption.tokens), 8, 8)
+    assert caption.cells.stride == 0.125  # the stride-8 stage of the 64-px random CNN: 8 px
+    np.testing.assert_allclose(caption.attention.sum(axis=(1, 2)), 1.0, atol=1e-5)
+
+
 def test_captions_carry_normalised_attention_per_word(checkpoint):
     captioner = Captioner.from_checkpoint(checkpoint, device="cpu", decode=DecodeConfig(beam_size=3, max_length=6))
     images = [_image(i) for i in range(5)]

@@ -27,9 +27,9 @@ CAPTIONS = ["a red circle to the left of a blue square", "a green triangle above
 SHARED = Path(__file__).resolve().parents[2] / "shared/data/flickr8k-800/Images"
 
 
-def _checkpoint(path: Path, **decoder) -> Path:
+def _checkpoint(path: Path, two_scale: bool = False, **decoder) -> Path:
     torch.manual_seed(0)
-    model_cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64),
+    model_cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64, two_scale=two_scale),
                             decoder=DecoderConfig(embed_dim=16, hidden_dim=32, attention_dim=16, dropout=0.0, **decoder))
     vocab = build_vocabulary(CAPTIONS)
     model = build_model(model_cfg, len(vocab), pretrained=False)
@@ -46,7 +46,8 @@ def _images(n: int = 6) -> list[PIL.Image.Image]:
 
 
 DECODERS = {"after-none": {"attend": "after", "init_pooling": "none"},
-            "before-mean": {"attend": "before", "init_pooling": "mean", "position": False}}
+            "before-mean": {"attend": "before", "init_pooling": "mean", "position": False},
+            "two-scale-grid": {"attend": "after", "init_pooling": "mean", "two_scale": True}}
 _EXPORTS: dict[str, tuple] = {}
 
 
@@ -60,7 +61,7 @@ def _exported(tmp_path_factory, name: str):
 
 @pytest.fixture(params=list(DECODERS))
 def each_exported(request, tmp_path_factory):
-    """Both decoder layouts, each exported once."""
+    """Both decoder layouts and a two-scale encoder grid, each exported once."""
     return _exported(tmp_path_factory, request.param)
 
 

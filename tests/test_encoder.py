@@ -18,7 +18,7 @@ from captioner.config import ConfigError, EncoderConfig
 from captioner.config.schema import EncoderName
 from captioner.model.backbones import available_encoders
 from captioner.model.weights import EncoderError, efficientnet_lite_state_dict
-from captioner.model.encoder import build_encoder
+from captioner.model.encoder import _split, build_encoder
 
 FLICKR = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k-800"
 DOG_CLASSES = range(151, 269)  # ImageNet dog breeds
@@ -276,3 +276,52 @@ def test_cells_are_placed_where_their_receptive_fields_are_centred(name, size):
     assert measured == pytest.approx(claimed, abs=0.51), (measured, claimed)
     nominal = (c + 0.5) * size / cols
     print(f"{name} at {size} px: cell ({r}, {c}) looks at {measured}, nominal centre {nominal:.1f}")
+
+
+@pytest.mark.parametrize("name, size", [("random", 64), ("efficientnet_lite0", 768)])
+def test_two_scale_cells_are_placed_where_the_finer_stage_looks(name, size):
+    """The two-scale grid's cells are the finer stage's: measured on that stage's own layers."""
+    enc = build_encoder(EncoderConfig(name=name, image_size=size, two_scale=True), pretrained=False)
+    lower, _ = _split(_geometry_probe(enc.backbone), enc_fine_stage(name))
+    rows, cols = enc.grid
+    r, c = rows // 2, cols // 2
+    x = torch.ones(1, 3, size, size, requires_grad=True)
+    lower(x)[0, :, r, c].sum().backward()
+    field = x.grad[0].sum(0).double()
+    measured = (_peak(field.sum(0)), _peak(field.sum(1)))
+    claimed = (enc.cells.centres(cols, size)[c], enc.cells.centres(rows, size)[r])
+    assert measured == pytest.approx(claimed, abs=0.51), (measured, claimed)
+
+
+def enc_fine_stage(name: str) -> str:
+    from captioner.model.backbones import build_backbone
+    return build_backbone(EncoderConfig(name=name), pretrained=False).fine_stage
+
+
+# --- two scales: the finer stage's grid with the last stage's features beside it ---------------
+
+
+@pytest.mark.parametrize("name, size", [("random", 64), ("efficientnet_lite0", 256)])
+def test_two_scale_grid_is_twice_as_fine_and_ends_with_the_last_stage(name, size):
+    one = build_encoder(EncoderConfig(name=name, image_size=size), pretrained=False).eval()
+    two = build_encoder(EncoderConfig(name=name, image_size=size, two_scale=True), pretrained=False).eval()
+    two.load_state_dict(one.state_dict())  # the same weights, the same keys: a checkpoint fits either
+    (H, W), D = one.grid, one.out_dim
+    assert two.grid == (2 * H, 2 * W) and two.out_dim > D
+    x = torch.randn(2, 3, size, size)
+    coarse = one.infer(x).reshape(2, H, W, D)
+    fine = two.infer(x).reshape(2, 2 * H, 2 * W, two.out_dim)
+    for dr in (0, 1):  # each last-stage cell's features on each of the 2x2 finer cells it covers
+        for dc in (0, 1):
+            assert torch.allclose(fine[:, dr::2, dc::2, -D:], coarse, atol=1e-5)
+    lower, _ = two._halves
+    stage = lower(x.contiguous(memory_format=torch.channels_last))  # (2, d, 2H, 2W)
+    assert torch.allclose(fine[..., :-D], stage.permute(0, 2, 3, 1), atol=1e-5)
+    assert one.cache_key() != two.cache_key() and "2scale" in two.cache_key()
+
+
+def test_two_scale_needs_a_multiple_of_32_and_a_backbone_with_a_finer_stage():
+    with pytest.raises(ConfigError, match="image_size.*multiple of 32"):
+        EncoderConfig(name="random", image_size=80, two_scale=True)
+    with pytest.raises(EncoderError, match="two_scale"):
+        build_encoder(EncoderConfig(name="resnet50", image_size=64, two_scale=True), pretrained=False)

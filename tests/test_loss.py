@@ -294,6 +294,19 @@ def test_the_clothing_prior_finds_where_people_wear_things_and_computes_each_pho
     assert int(prior(other, torch.tensor([8])).argmax()) == 0 and int(prior(other).argmax()) == 0
 
 
+def test_the_classifier_teachers_read_a_two_scale_grid_by_its_last_stage_channels():
+    """A two-scale grid (`model.encoder.two_scale`) puts the finer stage's channels first: the ImageNet
+    classifier must see only the last D, whatever the finer ones hold."""
+    from captioner.training.teachers import ClothingPrior
+
+    weight, bias = torch.zeros(1000, 2), torch.zeros(1000)
+    weight[610, 0] = weight[151, 1] = 8.0
+    grid = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]]])  # (1, 3, D=2)
+    finer = torch.tensor([[[9.0, 9.0, 9.0], [-9.0, 0.0, 5.0], [0.0, 3.0, 0.0]]])  # (1, 3, d=3)
+    two_scale = torch.cat([finer, grid], dim=-1)  # (1, 3, 5)
+    torch.testing.assert_close(ClothingPrior(weight, bias)(two_scale), ClothingPrior(weight, bias)(grid))
+
+
 def test_the_clothing_teacher_moves_a_persons_map_onto_what_people_wear_and_no_other_word():
     """The detector finds "man" on region 0 (the street people stand on) and "dog" on region 2; the
     classifier sees clothing on region 1. With the prior the teacher's map for "man" peaks on region 1;

@@ -113,6 +113,16 @@ class EncoderConfig(_Section):
     image_size: int = 256  # square input side, pixels
     weights: str = ""  # local state dict; "" = the backbone's own pretrained weights
     trainable_stages: int = 0  # fine-tune the last N stages (0 = frozen, eval mode)
+    # a grid twice as fine from the same input: each cell the features of the stage at half the last
+    # stage's stride (stride 16 on EfficientNet-Lite), beside those of the last stage's cell it lies in
+    two_scale: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.two_scale and self.image_size % 32:
+            raise ConfigError(f"config key 'model.encoder.image_size': {self.image_size} is not allowed with "
+                              f"model.encoder.two_scale (must be a multiple of 32, so each last-stage cell "
+                              f"covers 2x2 finer cells)")
 
 
 @dataclass(frozen=True)

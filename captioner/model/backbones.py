@@ -61,6 +61,9 @@ class Backbone:
         geometry: input side S (pixels) -> (origin, stride): the centre of cell 0's receptive
             field and the distance between cell centres, in pixels of the S x S input (pixel i
             spans [i, i + 1)). Tests measure it on each backbone.
+        fine_stage: the submodule of `net` ("blocks.4") whose output has half the net's stride, read
+            by `model.encoder.two_scale` (None: the backbone has no such grid), and fine_geometry
+            its cells' `geometry`.
     """
 
     net: nn.Sequential
@@ -71,6 +74,8 @@ class Backbone:
     load_default: Callable[[nn.Module], None] | None = None
     rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None
     geometry: Callable[[int], tuple[float, float]] = lambda size: (0.5, 32.0)
+    fine_stage: str | None = None
+    fine_geometry: Callable[[int], tuple[float, float]] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +97,18 @@ def _build_lite(name: str) -> Backbone:
         return lite_rename(state, net) if any(k.startswith("_blocks.") for k in state) else state
 
     return Backbone(net, stages, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), T.InterpolationMode.BICUBIC,
-                    load_default=load_default, rename=rename, geometry=tf_same_geometry)
+                    load_default=load_default, rename=rename, geometry=tf_same_geometry,
+                    fine_stage=_last_stride16_block(model), fine_geometry=lambda size: tf_same_geometry(size, 4))
+
+
+def _last_stride16_block(model: nn.Module) -> str:
+    """The name of the last block of a timm EfficientNet whose output is at stride 16 (blocks.4 in
+    Lite0-2: 112-192 channels, just before the stride-32 blocks)."""
+    stride, last = 2, 0  # the stem halves the input; a stage's first block may halve it again
+    for i, stage in enumerate(model.blocks):
+        stride *= stage[0].conv_dw.stride[0]
+        last = i if stride == 16 else last
+    return f"blocks.{last}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +172,7 @@ def _build_random(name: str) -> Backbone:
         ))
     stages = [[f"block{i}"] for i in range(len(widths) - 1)]
     return Backbone(net, stages, IMAGENET_MEAN, IMAGENET_STD, T.InterpolationMode.BILINEAR,
-                    geometry=symmetric_geometry(16))
+                    geometry=symmetric_geometry(16), fine_stage="block2", fine_geometry=symmetric_geometry(8))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,11 @@ Shapes: B batch, S input side (pixels), D encoder width, H' x W' feature grid, L
 
 D and the grid are read from a dummy forward at build time, never hard-coded. The backbones and
 their weights are `captioner.model.backbones`'.
+
+Two-scale (`model.encoder.two_scale`): the grid of the stage at half the last stage's stride (16 x 16
+cells at 256 px on EfficientNet-Lite), each cell its own d features followed by the D of the last
+stage's cell it lies in (nearest upsampling): D' = d + D. The last stage says what is there, the finer
+stage where inside that cell; the classifier-facing last-stage channels stay the grid's last D.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from collections.abc import Callable, Sequence
 import PIL.Image
 import timm
 import torch
+import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 from torchvision import transforms as T
@@ -43,8 +49,11 @@ class Encoder(nn.Module):
     drift); only the last `trainable_stages` stages train and follow `train(mode)`.
     """
 
-    def __init__(self, name: str, image_size: int, backbone: Backbone, trainable_stages: int = 0) -> None:
+    def __init__(self, name: str, image_size: int, backbone: Backbone, trainable_stages: int = 0,
+                 two_scale: bool = False) -> None:
         super().__init__()
+        if two_scale and backbone.fine_stage is None:
+            raise EncoderError(f"{name}: model.encoder.two_scale is not available for this backbone")
         if not 0 <= trainable_stages <= len(backbone.stages):
             raise EncoderError(f"{name}: model.encoder.trainable_stages={trainable_stages} is out of range "
                                f"(0..{len(backbone.stages)})")
@@ -60,11 +69,14 @@ class Encoder(nn.Module):
             for p in self.backbone.get_submodule(n).parameters():
                 p.requires_grad_(True)
         self.backbone.eval()
+        # two-scale: the net as two halves run in turn (plain attributes: the modules stay the backbone's)
+        self._halves = _split(self.backbone, backbone.fine_stage) if two_scale else None
+        self.two_scale = two_scale
         with torch.no_grad():  # measure D and the grid once, on a dummy image
-            fmap = self.backbone(torch.zeros(1, 3, image_size, image_size))  # (1, D, H', W')
+            fmap = self._fmap(torch.zeros(1, 3, image_size, image_size))  # (1, D, H', W')
         self.out_dim: int = fmap.shape[1]
         self.grid: tuple[int, int] = (fmap.shape[2], fmap.shape[3])
-        origin, stride = backbone.geometry(image_size)
+        origin, stride = (backbone.fine_geometry if two_scale else backbone.geometry)(image_size)
         self.cells = Cells(origin / image_size, stride / image_size)
         self.train()
 
@@ -93,8 +105,16 @@ class Encoder(nn.Module):
         """
         if images.device.type == "cpu":  # oneDNN convs run ~1.5-2x faster NHWC on CPU, same numbers (1e-6)
             images = images.contiguous(memory_format=torch.channels_last)
-        fmap = self.backbone(images)  # (B, D, H', W')
-        return fmap.flatten(2).transpose(1, 2)  # (B, L, D); contiguous when fmap is NHWC
+        return self._fmap(images).flatten(2).transpose(1, 2)  # (B, L, D); contiguous when the map is NHWC
+
+    def _fmap(self, images: Tensor) -> Tensor:
+        """(B, 3, S, S) -> (B, D, H', W'): the last stage's map, or the two-scale map (module docstring)."""
+        if self._halves is None:
+            return self.backbone(images)  # (B, D, H', W')
+        lower, upper = self._halves
+        fine = lower(images)  # (B, d, 2H, 2W)
+        coarse = upper(fine)  # (B, D, H, W)
+        return torch.cat([fine, F.interpolate(coarse, scale_factor=2.0, mode="nearest")], dim=1)  # (B, d + D, 2H, 2W)
 
     @torch.inference_mode()
     def infer(self, images: Tensor) -> Tensor:
@@ -134,7 +154,8 @@ class Encoder(nn.Module):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         norm = lambda v: ",".join(f"{x:g}" for x in v)
-        return (f"{self.name}-{self.image_size}-{self.interpolation.value}-m{norm(self.mean)}-s{norm(self.std)}"
+        return (f"{self.name}-{self.image_size}{'-2scale' if self.two_scale else ''}-{self.interpolation.value}"
+                f"-m{norm(self.mean)}-s{norm(self.std)}"
                 f"-w{digest.hexdigest()[:12]}-timm{timm.__version__}-tv{torchvision.__version__}")
 
 
@@ -148,4 +169,24 @@ def build_encoder(cfg: EncoderConfig, pretrained: bool = True) -> Encoder:
     Returns:
         An `Encoder` on the CPU, frozen parts in eval mode.
     """
-    return Encoder(cfg.name, cfg.image_size, build_backbone(cfg, pretrained), cfg.trainable_stages)
+    return Encoder(cfg.name, cfg.image_size, build_backbone(cfg, pretrained), cfg.trainable_stages, cfg.two_scale)
+
+
+def _split(net: nn.Sequential, after: str) -> tuple[nn.Sequential, nn.Sequential]:
+    """`net` as two Sequentials that run one after the other: everything up to and including the
+    submodule `after` (a child, "block2", or a child's child, "blocks.4"), and the rest. They hold
+    `net`'s own modules."""
+    top, _, inner = after.partition(".")
+    lower: list[nn.Module] = []
+    upper: list[nn.Module] = []
+    side = lower
+    for name, child in net.named_children():
+        if name != top:
+            side.append(child)
+            continue
+        parts = list(child.named_children()) if inner else [(name, child)]
+        cut = [n for n, _ in parts].index(inner or name) + 1
+        lower += [m for _, m in parts[:cut]]
+        upper += [m for _, m in parts[cut:]]
+        side = upper
+    return nn.Sequential(*lower), nn.Sequential(*upper)

@@ -97,6 +97,12 @@ def lite_classifier(name: str, teacher: str) -> tuple[Tensor, Tensor]:
     return state["classifier.weight"], state["classifier.bias"]
 
 
+def last_stage(grid: Tensor, weight: Tensor) -> Tensor:
+    """(N, L, D') grids -> (N, L, D): the last stage's channels, which the classifier weight (C, D)
+    reads; a two-scale grid (`model.encoder.two_scale`) ends with them."""
+    return grid[..., grid.size(-1) - weight.size(1):]
+
+
 class ClothingPrior:
     """Where people are, by what they wear: log P(clothing | region), the summed probability of the
     `CLOTHING` classes under the encoder's ImageNet classifier applied to each region alone (softmax
@@ -127,7 +133,7 @@ class ClothingPrior:
 
     def _compute(self, grid: Tensor) -> Tensor:
         w, b = self.weight.to(grid.device), self.bias.to(grid.device)
-        logp = torch.log_softmax(grid.float() @ w.T + b, dim=-1)  # (N, L, C)
+        logp = torch.log_softmax(last_stage(grid, w).float() @ w.T + b, dim=-1)  # (N, L, C)
         return logp[..., self.clothing.to(grid.device)].logsumexp(dim=-1)  # (N, L)
 
 
@@ -155,7 +161,8 @@ class ImageNetTeacher:
         device = out.grid.device
         keep = self.known.to(device)[words]  # (P,)
         photo = out.rows[out.caption[keep]]  # (P',)
-        logits = out.grid.detach().float() @ self.weight.to(device).T + self.bias.to(device)  # (N, L, C)
+        w = self.weight.to(device)
+        logits = last_stage(out.grid.detach(), w).float() @ w.T + self.bias.to(device)  # (N, L, C)
         mask = self.classes.to(device)[words[keep]]  # (P', C)
         per_class = logits[photo].masked_fill(~mask[:, None, :], float("-inf"))  # (P', L, C)
         return keep, per_class.logsumexp(dim=-1)  # (P', L)
