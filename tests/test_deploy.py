@@ -275,6 +275,13 @@ def test_an_int8_export_quantizes_the_encoder_and_captions_with_it(exported, tmp
         assert c.attention.reshape(len(c.tokens), -1).sum(-1) == pytest.approx(np.ones(len(c.tokens)), abs=1e-4)
 
 
+def test_a_two_scale_encoder_quantizes_to_int8(tmp_path_factory, tmp_path):
+    """The two-scale grid's upsampling must be a graph ONNX Runtime's quantization tools can follow."""
+    checkpoint, _ = _exported(tmp_path_factory, "two-scale-grid")
+    report = export_onnx(checkpoint, tmp_path / "int8", int8_calibration=_photos(tmp_path / "calibration"))
+    (caption,) = onnx_captioner(report.folder).caption(_images(1))
+    assert 0 < report.int8_difference < 0.5 and caption.attention.shape[1:] == (8, 8)
+
 def test_an_int8_encoder_too_far_from_float32_is_refused_and_the_folder_left_as_it_was(exported, tmp_path, capsys,
                                                                                       monkeypatch):
     import shutil
@@ -293,6 +300,30 @@ def test_an_int8_encoder_too_far_from_float32_is_refused_and_the_folder_left_as_
     assert "export without --quantize" in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing half-replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration", "model"]  # no staging folder left
+
+
+def test_a_graph_onnx_runtime_cannot_quantize_is_one_line_and_the_folder_left_as_it_was(exported, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """ONNX Runtime's quantization tools raise bare Exceptions ("Incomplete symbolic shape inference"
+    for a graph whose shapes they cannot follow): one line, nothing replaced."""
+    import shutil
+
+    import onnxruntime.quantization.shape_inference as shape_inference
+
+    def fail(*args, **kwargs):
+        raise Exception("Incomplete symbolic shape inference")
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", fail)
+    checkpoint, fp32 = exported
+    out = tmp_path / "model"
+    shutil.copytree(fp32.folder, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--quantize", "int8",
+                 "--calibration", *_photos(tmp_path / "calibration", 2)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "could not be quantized to int8 (Incomplete symbolic shape inference)" in err
+    assert "export without --quantize" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_int8_settings_are_checked_before_any_export(exported, tmp_path, capsys):

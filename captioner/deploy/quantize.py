@@ -74,10 +74,15 @@ def quantize_encoder(fp32: Path, out: Path, pixels: np.ndarray) -> float:
 
     with tempfile.TemporaryDirectory(prefix="captioner-int8-") as tmp:
         prepared = Path(tmp) / "prepared.onnx"
-        quant_pre_process(str(fp32), str(prepared))  # shapes inferred, graph simplified
-        quantize_static(str(prepared), str(out), Photos(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        calibrate_method=CalibrationMethod.MinMax)
+        try:
+            quant_pre_process(str(fp32), str(prepared))  # shapes inferred, graph simplified
+            quantize_static(str(prepared), str(out), Photos(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            calibrate_method=CalibrationMethod.MinMax)
+        except Exception as e:  # noqa: BLE001 - ONNX Runtime's tools raise bare Exceptions for graphs they cannot handle
+            out.unlink(missing_ok=True)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise FormatError(f"its encoder could not be quantized to int8 ({reason}); export without --quantize") from None
     difference = relative_difference(fp32, out, pixels)
     if difference > INT8_TOLERANCE:
         out.unlink(missing_ok=True)

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import PIL.Image
 import timm
 import torch
-import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
 from torchvision import transforms as T
@@ -114,7 +113,10 @@ class Encoder(nn.Module):
         lower, upper = self._halves
         fine = lower(images)  # (B, d, 2H, 2W)
         coarse = upper(fine)  # (B, D, H, W)
-        return torch.cat([fine, F.interpolate(coarse, scale_factor=2.0, mode="nearest")], dim=1)  # (B, d + D, 2H, 2W)
+        B, D, H, W = coarse.shape
+        # nearest upsampling as an expand: exports to ONNX ops whose shapes its tools infer (a Resize's they do not)
+        coarse = coarse[:, :, :, None, :, None].expand(B, D, H, 2, W, 2).reshape(B, D, 2 * H, 2 * W)
+        return torch.cat([fine, coarse], dim=1)  # (B, d + D, 2H, 2W)
 
     @torch.inference_mode()
     def infer(self, images: Tensor) -> Tensor:
