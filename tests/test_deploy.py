@@ -310,10 +310,14 @@ def test_a_graph_onnx_runtime_cannot_quantize_is_one_line_and_the_folder_left_as
 
     import onnxruntime.quantization.shape_inference as shape_inference
 
-    def fail(*args, **kwargs):
+    def fail(*args, **kwargs):  # as ORT's symbolic shape inference does: its half-inferred graph into the cwd
+        Path("sym_shape_infer_temp.onnx").write_bytes(b"graph")
         raise Exception("Incomplete symbolic shape inference")
 
     monkeypatch.setattr(shape_inference, "quant_pre_process", fail)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
     checkpoint, fp32 = exported
     out = tmp_path / "model"
     shutil.copytree(fp32.folder, out)
@@ -324,6 +328,7 @@ def test_a_graph_onnx_runtime_cannot_quantize_is_one_line_and_the_folder_left_as
     assert len(err.splitlines()) == 1 and "could not be quantized to int8 (Incomplete symbolic shape inference)" in err
     assert "export without --quantize" in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert list(work.iterdir()) == []  # nothing left in the user's working directory
 
 
 def test_int8_settings_are_checked_before_any_export(exported, tmp_path, capsys):

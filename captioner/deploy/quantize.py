@@ -12,9 +12,11 @@ changes some captions; `captioner evaluate --runtime onnx` on the export says by
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +74,8 @@ def quantize_encoder(fp32: Path, out: Path, pixels: np.ndarray) -> float:
             row = next(self.rows, None)
             return None if row is None else {"pixels": row}
 
-    with tempfile.TemporaryDirectory(prefix="captioner-int8-") as tmp:
+    fp32, out = Path(fp32).resolve(), Path(out).resolve()
+    with tempfile.TemporaryDirectory(prefix="captioner-int8-") as tmp, _working_directory(Path(tmp)):
         prepared = Path(tmp) / "prepared.onnx"
         try:
             quant_pre_process(str(fp32), str(prepared))  # shapes inferred, graph simplified
@@ -89,6 +92,18 @@ def quantize_encoder(fp32: Path, out: Path, pixels: np.ndarray) -> float:
         raise FormatError(f"its int8 encoder differs from float32 by {difference:.0%} on the calibration "
                           f"photos (more than {INT8_TOLERANCE:.0%}); export without --quantize")
     return difference
+
+
+@contextlib.contextmanager
+def _working_directory(path: Path) -> Iterator[None]:
+    """Run inside `path`: ONNX Runtime's shape inference saves its half-inferred graph
+    ("sym_shape_infer_temp.onnx" and a data file) into the working directory when it fails."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def relative_difference(fp32: Path, int8: Path, pixels: np.ndarray) -> float:
