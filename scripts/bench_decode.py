@@ -121,7 +121,7 @@ def main(args) -> None:
             report = export_onnx(checkpoint, Path(tmp) / "int8", int8_calibration=calibration)
             sources["onnx-int8"] = report.folder
             print(f"int8:    encoder calibrated on {len(calibration)} other photos; its grids differ from float32 "
-                  f"by {report.int8_difference:.1%}")
+                  f"by {report.encoder_difference:.1%}")
         print(f"data:    {n} images from {args.data}; beam {args.beam}, max length {args.max_length}; "
               f"best of {args.repeats}")
         rows: list[tuple[str, int, str, list[float]]] = []

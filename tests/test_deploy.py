@@ -266,8 +266,8 @@ def test_an_int8_export_quantizes_the_encoder_and_captions_with_it(exported, tmp
         node.op_type for g in ("memory", "step") for node in onnx.load(str(report.folder / f"{g}.onnx")).graph.node}
     encoder = json.loads((report.folder / "manifest.json").read_text())["encoder"]
     assert encoder["precision"] == "int8" and encoder["calibration"]["images"] == 8
-    assert 0 < report.int8_difference < 0.5 and encoder["calibration"]["relative_difference"] == pytest.approx(
-        report.int8_difference, abs=1e-4)
+    assert 0 < report.encoder_difference < 0.5 and encoder["calibration"]["relative_difference"] == pytest.approx(
+        report.encoder_difference, abs=1e-4)
     assert json.loads((fp32.folder / "manifest.json").read_text())["encoder"]["precision"] == "float32"
     captions = onnx_captioner(report.folder).caption(_images(3))
     assert all(c.tokens and c.finished is not None for c in captions)
@@ -275,12 +275,34 @@ def test_an_int8_export_quantizes_the_encoder_and_captions_with_it(exported, tmp
         assert c.attention.reshape(len(c.tokens), -1).sum(-1) == pytest.approx(np.ones(len(c.tokens)), abs=1e-4)
 
 
+def test_a_float16_export_stores_the_encoder_weights_in_half_and_captions_as_float32(exported, tmp_path, capsys):
+    import onnx
+
+    checkpoint, fp32 = exported
+    out = tmp_path / "half"
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--quantize", "float16"]) == 0
+    assert "float16 encoder: its grids differ from float32 by" in capsys.readouterr().out
+    large = {init.data_type for init in onnx.load(str(out / "encoder.onnx")).graph.initializer
+             if np.prod(init.dims) >= 1024}  # every weight but the small vectors (norms, biases)
+    assert large == {onnx.TensorProto.FLOAT16}
+    encoder = json.loads((out / "manifest.json").read_text())["encoder"]
+    assert encoder["encoder_weights"] == "float16" and 0 < encoder["relative_difference"] < 0.01
+    assert encoder["precision"] == "float32"  # computed in float32: the weights are cast back when loaded
+    for half, full in zip(onnx_captioner(out).caption(_images()), onnx_captioner(fp32.folder).caption(_images())):
+        assert half.tokens == full.tokens
+        np.testing.assert_allclose(half.attention, full.attention, atol=0.02)
+    assert main(["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "no"), "--quantize", "float16",
+                 "--calibration", *_photos(tmp_path / "calibration", 1)]) == 2
+    assert capsys.readouterr().err.strip() == ("captioner: error: --calibration is for --quantize int8: a float16 "
+                                               "encoder needs no photos")
+
+
 def test_a_two_scale_encoder_quantizes_to_int8(tmp_path_factory, tmp_path):
     """The two-scale grid's upsampling must be a graph ONNX Runtime's quantization tools can follow."""
     checkpoint, _ = _exported(tmp_path_factory, "two-scale-grid")
     report = export_onnx(checkpoint, tmp_path / "int8", int8_calibration=_photos(tmp_path / "calibration"))
     (caption,) = onnx_captioner(report.folder).caption(_images(1))
-    assert 0 < report.int8_difference < 0.5 and caption.attention.shape[1:] == (8, 8)
+    assert 0 < report.encoder_difference < 0.5 and caption.attention.shape[1:] == (8, 8)
 
 def test_an_int8_encoder_too_far_from_float32_is_refused_and_the_folder_left_as_it_was(exported, tmp_path, capsys,
                                                                                       monkeypatch):

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import logging
+import shutil
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from captioner.config import DecodeConfig
 from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, FormatError, require_onnx
-from captioner.deploy.quantize import calibration_pixels, quantize_encoder
+from captioner.deploy.quantize import calibration_pixels, quantize_encoder, relative_difference
 from captioner.deploy.step import InferenceMemory, InferenceStep
 from captioner.files import atomic_write_text, staged_files, writable_dir
 from captioner.model.caption_model import CaptionModel
@@ -40,6 +41,7 @@ from captioner.model.decoder import AttentionDecoder, Memory
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # largest difference from torch accepted, on any output
+HALF_TOLERANCE = 0.01  # largest relative difference of a float16 encoder's grids accepted (Lite0: ~0.1%)
 
 
 class _ReferenceStep(nn.Module):
@@ -57,12 +59,13 @@ class _ReferenceStep(nn.Module):
 @dataclass
 class ExportReport:
     """What was written and how closely each graph matches torch (largest absolute difference); for
-    an int8 encoder, its grids' relative difference from float32 on the calibration photos."""
+    an int8 or float16 encoder, its grids' relative difference from the float32 encoder's (int8: on
+    the calibration photos)."""
 
     folder: Path
     files: list[Path]
     differences: dict[str, float]
-    int8_difference: float | None = None
+    encoder_difference: float | None = None
 
 
 def export_graph(module: nn.Module, inputs: tuple[Tensor, ...], names: list[str], outputs: list[str], path: Path) -> None:
@@ -122,11 +125,11 @@ def half_weights(decoder: AttentionDecoder) -> AttentionDecoder:
     return decoder
 
 
-def store_half(path: Path, min_size: int = 1024) -> None:
+def store_half(path: Path, min_size: int = 1024, exact: bool = True) -> None:
     """Rewrite an ONNX graph so its float32 weights of at least `min_size` numbers that float16 holds
     exactly (those `half_weights` rounded; not what the exporter folded from them) are stored in
     float16, each cast back to float32 by a node ONNX Runtime folds away when it loads the graph: half
-    the file, the same arithmetic."""
+    the file, the same arithmetic. `exact` False: every such weight, rounded to float16."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -134,7 +137,8 @@ def store_half(path: Path, min_size: int = 1024) -> None:
     graph, casts, kept = model.graph, [], []
     for init in graph.initializer:
         weights = numpy_helper.to_array(init) if init.data_type == onnx.TensorProto.FLOAT else None
-        if weights is not None and weights.size >= min_size and np.array_equal(weights.astype(np.float16), weights):
+        if (weights is not None and weights.size >= min_size
+                and (not exact or np.array_equal(weights.astype(np.float16), weights))):
             half = numpy_helper.from_array(weights.astype(np.float16), init.name + "_fp16")
             kept.append(half)
             casts.append(helper.make_node("Cast", [half.name], [init.name], to=onnx.TensorProto.FLOAT))
@@ -147,6 +151,23 @@ def store_half(path: Path, min_size: int = 1024) -> None:
     graph.node.extend(nodes)
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
+
+
+def half_encoder(path: Path, pixels: np.ndarray) -> float:
+    """Store the weights of the encoder graph at `path` in float16 (rounded; it still computes in
+    float32): half the file. Returns its grids' relative difference from the float32 graph's on
+    `pixels` (N, 3, S, S); raises FormatError above HALF_TOLERANCE."""
+    fp32 = path.with_name(f"{path.stem}-float32.onnx")
+    shutil.copyfile(path, fp32)
+    try:
+        store_half(path, exact=False)
+        difference = relative_difference(fp32, path, pixels)
+    finally:
+        fp32.unlink()
+    if difference > HALF_TOLERANCE:
+        raise FormatError(f"its float16 encoder differs from float32 by {difference:.1%} (more than "
+                          f"{HALF_TOLERANCE:.0%}); export without --quantize")
+    return difference
 
 
 def export_verified(module: nn.Module, example: tuple[Tensor, ...], inputs: list[str], outputs: list[str],
@@ -179,18 +200,39 @@ def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], s
     return differences
 
 
+def _shrink_encoder(encoder: Path, calibration: np.ndarray | None, half: np.ndarray | None
+                    ) -> tuple[dict[str, Any], float | None]:
+    """Make the verified float32 graph `encoder` int8, calibrated on `calibration` (N, 3, S, S), or
+    store its weights in float16, checked on `half` pixels; in place. Its manifest fields and its
+    grids' relative difference from float32 (None: left float32)."""
+    if calibration is not None:
+        log.info("quantizing the encoder to int8 on %d photos", len(calibration))
+        quantized = encoder.with_name(f"{encoder.stem}-int8.onnx")
+        difference = quantize_encoder(encoder, quantized, calibration)
+        quantized.replace(encoder)
+        return {"precision": "int8", "calibration": {"images": len(calibration),
+                                                     "relative_difference": round(difference, 4)}}, difference
+    if half is not None:
+        difference = half_encoder(encoder, half)
+        return {"encoder_weights": "float16", "relative_difference": round(difference, 5)}, difference
+    return {}, None
+
+
 def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
                 int8_calibration: Sequence[str] | None = None, small: bool = False,
-                decode: Mapping[str, Any] | None = None) -> ExportReport:
+                decode: Mapping[str, Any] | None = None, float16_encoder: bool = False) -> ExportReport:
     """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. With
     `int8_calibration` (photo paths) the encoder is quantized to int8, calibrated on those photos
-    (`captioner.deploy.quantize`). `small`: the decoder's weights rounded to float16 and stored so, and
-    no token tables in the step graph (about a quarter of the size; the step a little slower).
+    (`captioner.deploy.quantize`); `float16_encoder`: its weights stored in float16 instead (half the
+    file, grids within ~0.1% of float32). `small`: the decoder's weights rounded to float16 and stored
+    so, and no token tables in the step graph (about a quarter of the size; the step a little slower).
     `decode`: DecodeConfig fields the export's decode defaults change (None values = the
     checkpoint's), e.g. {"beam_size": 5}: what `caption` and `serve` use with it. Raises
     FormatError (one line) for what cannot be exported, and when a graph differs from torch by more
     than TOLERANCE."""
     require_onnx()
+    if int8_calibration is not None and float16_encoder:
+        raise FormatError("the encoder is either int8 or float16, not both")
     out = writable_dir(out_dir)
     ckpt = load_checkpoint(checkpoint)
     if ckpt.model_config.decoder.init_pooling == "attention":
@@ -222,17 +264,12 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     with staged_files(out, last=MANIFEST) as stage:  # a refused export leaves `out` as it was
         differences = _export_graphs(graphs, traced, checks, stage, out, small)
         precision: dict[str, Any] = {"precision": "float32", "decoder_weights": "float16" if small else "float32"}
-        int8_difference = None
-        if calibration is not None:
-            log.info("quantizing the encoder to int8 on %d photos", len(calibration))
-            try:
-                int8_difference = quantize_encoder(stage / "encoder.onnx", stage / "encoder-int8.onnx", calibration)
-            except FormatError as e:
-                raise FormatError(f"{checkpoint}: {e}") from None
-            (stage / "encoder-int8.onnx").replace(stage / "encoder.onnx")
-            precision.update(precision="int8", calibration={"images": len(calibration),
-                                                            "relative_difference": round(int8_difference, 4)})
-        record = manifest(ckpt, model, str(checkpoint), precision, defaults)
+        half = checks[-1]["encoder"][0].numpy() if float16_encoder else None
+        try:
+            shrunk, encoder_difference = _shrink_encoder(stage / "encoder.onnx", calibration, half)
+        except FormatError as e:
+            raise FormatError(f"{checkpoint}: {e}") from None
+        record = manifest(ckpt, model, str(checkpoint), {**precision, **shrunk}, defaults)
         atomic_write_text(stage / MANIFEST, json.dumps(record, indent=1))
     files = [out / f"{name}.onnx" for name in graphs] + [out / MANIFEST]
-    return ExportReport(out, files, differences, int8_difference)
+    return ExportReport(out, files, differences, encoder_difference)
