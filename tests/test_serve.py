@@ -251,3 +251,22 @@ def test_caption_json_matches_the_cli(checkpoint, tmp_path, capsys, client):
     api = client.post("/api/caption", content=_png(3)).json()
     for key in ("caption", "tokens", "score", "logprob", "finished", "attention", "cells"):
         assert api[key] == cli[key], key
+
+
+def test_a_large_jpeg_reaches_the_model_as_the_cli_reads_it(client, checkpoint, tmp_path, monkeypatch, capsys):
+    """`caption FILE` decodes a large JPEG at a reduced scale (draft mode); `visualize FILE` and an
+    upload of the same file must give the model those same pixels, so all three write one caption."""
+    photo = tmp_path / "large.jpg"
+    PIL.Image.fromarray(np.random.default_rng(3).integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(photo)
+    seen: list[tuple[int, int]] = []
+    preprocess = Captioner.preprocess
+    monkeypatch.setattr(Captioner, "preprocess", lambda self, image: seen.append(image.size) or preprocess(self, image))
+    assert main(["caption", str(photo), "--checkpoint", str(checkpoint), "--device", "cpu"]) == 0
+    assert main(["visualize", str(photo), "--checkpoint", str(checkpoint), "--device", "cpu",
+                 "-o", str(tmp_path / "v.png")]) == 0
+    r = client.post("/api/caption", files={"image": ("large.jpg", photo.read_bytes(), "image/jpeg")})
+    assert r.status_code == 200, r.text
+    assert r.json()["image_size"] == [640, 480]  # the photo's own size, for placing the maps
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0][0] < 640  # one reduced decode, three times
+    printed = [line.split("\t")[1] for line in capsys.readouterr().out.splitlines() if "\t" in line]
+    assert printed == [r.json()["caption"]] * 2

@@ -59,14 +59,13 @@ def run(args: argparse.Namespace) -> int:
         objects = read_boxes(args.boxes).get(Path(args.image).name)
         if objects is None:
             raise CaptionerError(f"{args.boxes}: no boxes for {Path(args.image).name}")
-    image = load_image(args.image)
+    image = load_image(args.image)  # the picture, in full (and a bad file named before the model loads)
     captioner = load_captioner(args)
-    (caption,) = captioner.caption([image], text=args.text, **settings)
-    caption.path = args.image
+    (caption,) = captioner.caption([args.image], text=args.text, **settings)  # read as `caption` reads it
     if args.relevance:
         from captioner.decoding.relevance import with_relevance
 
-        caption = with_relevance(captioner, image, caption)
+        caption = with_relevance(captioner, load_image(args.image, draft=captioner.image_side), caption)
     out = plot_attention(image, caption, args.out, per_word_dir=args.per_word, gif_path=args.gif,
                          opacity=args.opacity, objects=objects, relevance=args.relevance)
     print(f"{args.image}\t{caption.text}" + (f"\t{word_logprobs(caption)}" if args.text is not None else ""))

@@ -79,17 +79,23 @@ def photo_size(path: str | Path) -> tuple[int, int]:
         return _upright(im)
 
 
-def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_000) -> Image.Image:
-    """Image file bytes (an upload) -> RGB image, exactly as `load_image` reads a file, from memory
-    only. Raises NotAnImage, ImageTooLarge (more than `max_pixels`, checked from the header before
-    anything is decoded) or ImageError (truncated, corrupt), each naming `name`."""
+def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_000,
+                 draft: int | None = None) -> Image.Image:
+    """Image file bytes (an upload) -> RGB image, exactly as `load_image` reads a file (`draft` too),
+    from memory only. Raises NotAnImage, ImageTooLarge (more than `max_pixels`, checked from the
+    header before anything is decoded) or ImageError (truncated, corrupt), each naming `name`."""
     if not data:
         raise NotAnImage(f"{name}: empty upload")
     with _reading(name), Image.open(io.BytesIO(data)) as im:
         if im.width * im.height > max_pixels:
             raise ImageTooLarge(f"{name}: {im.width}x{im.height} pixels is more than the {max_pixels:,} allowed")
+        size = _upright(im)
+        if draft and im.format == "JPEG":
+            im.draft("RGB", (draft, draft))
         im.load()
-        return to_rgb(_exif_transpose(im, name))
+        im = to_rgb(_exif_transpose(im, name))
+        im.info[FULL_SIZE] = size
+        return im
 
 
 @contextmanager

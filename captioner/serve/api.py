@@ -20,7 +20,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from captioner.data.images import ImageError, decode_image
+from captioner.data.images import ImageError, decode_image, full_size
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.errors import CaptionerError
 from captioner.pictures.figures import attention_figure
@@ -55,9 +55,11 @@ def caption_result(caption: Caption, seconds: float) -> CaptionResult:
 
 
 def _prepare(captioner: Captioner, data: bytes, max_pixels: int) -> tuple[PIL.Image.Image, torch.Tensor]:
-    """On a request thread: the upload decoded and preprocessed."""
-    image = decode_image(data, "upload", max_pixels)
-    return image, captioner.preprocess(image)
+    """On a request thread: the upload in full (for pictures) and its pixels preprocessed as
+    `captioner caption FILE` reads that file (a large JPEG at a reduced scale), for the same caption."""
+    seen = decode_image(data, "upload", max_pixels, draft=captioner.image_side)
+    image = seen if seen.size == full_size(seen) else decode_image(data, "upload", max_pixels)
+    return image, captioner.preprocess(seen)
 
 
 async def _captioned(request: Request, options: Options, captioner: Captioner, batcher: Batcher,
