@@ -363,3 +363,16 @@ def test_every_metrics_line_reaches_tensorboard_when_it_is_installed(tiny, tmp_p
     expected = [(k, v, ln["step"]) for ln in lines for k, v in ln.items() if k not in ("epoch", "step")]
     assert writer.folder == tmp_path / "run" / "tb" and writer.scalars == expected and writer.closed
     assert any(name == "val_CIDEr" for name, _, _ in writer.scalars)
+
+
+def test_max_steps_ends_the_run_there_validated_with_the_schedule_fitted_to_it(tiny, tmp_path):
+    """`train.max_steps` (a short fine-tuning): the run stops mid-epoch after that many steps, validates
+    and checkpoints them, and its cosine schedule ends there, not at the epochs' end."""
+    result = train(run_config(tiny, ["train.max_steps=14", "train.schedule=cosine"]), tmp_path / "run", "cpu")
+    assert result.steps == 14 and not result.interrupted  # 10 steps an epoch: stopped in the second
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [10, 14] and "val_CIDEr" in lines[-1]
+    assert lines[-1]["lr"] == pytest.approx(0.0, abs=1e-6)  # the cosine has reached its end at step 14
+    assert load_checkpoint(result.best).meta["step"] in (10, 14)
+    again = train(run_config(None, [], resume=result.last), tmp_path / "run", "cpu", resume=result.last)
+    assert again.steps == 14  # resumed after its last step: nothing more to do

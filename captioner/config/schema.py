@@ -33,7 +33,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.encoder": {"image_size": "[32, 4096]", "trainable_stages": ">= 0"},
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
-    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
+    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "max_steps": ">= 0", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
@@ -167,6 +167,7 @@ class TrainConfig(_Section):
     # weight of KL(policy || the initial model) per sampled word: keeps SCST near its cross-entropy start
     scst_kl_weight: float = 0.0
     epochs: int = 20
+    max_steps: int = 0  # end the run after this many optimiser steps, validated (0 = every epoch's steps)
     batch_size: int = 64
     optimizer: Literal["adam", "adamw"] = "adamw"
     lr: float = 4e-4

@@ -91,8 +91,8 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
     optimizer = build_optimizer(model, tc)
     objective, train_set, sampler = build_objective(cfg, model, data, vocab, init, device, dist, amp_dtype,
                                                        boxes)
-    scheduler = build_scheduler(optimizer, tc, tc.epochs * steps_per_epoch(sampler.n, sampler.batch_size,
-                                                                            dist.world_size))
+    steps = tc.epochs * steps_per_epoch(sampler.n, sampler.batch_size, dist.world_size)
+    scheduler = build_scheduler(optimizer, tc, min(steps, tc.max_steps) if tc.max_steps > 0 else steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     val_loader = torch.utils.data.DataLoader(
         torch.utils.data.Subset(data.val_set, range(dist.rank, len(data.val_set), dist.world_size)),
@@ -118,6 +118,7 @@ def fit(run: Run, stop_after_steps: int | None = None, request: StopRequest | No
     tc, st = run.cfg.train, run.state
     stopped_by: int | None = None
     stop = early = tc.patience > 0 and st.bad_validations >= tc.patience  # resumed after an early stop
+    stop = stop or (tc.max_steps > 0 and st.step >= tc.max_steps)  # resumed after its last step
     interrupted = False
 
     def after_step(loss: LossOutput) -> bool:
@@ -127,6 +128,7 @@ def fit(run: Run, stop_after_steps: int | None = None, request: StopRequest | No
         if tc.val_every_steps > 0 and st.step % tc.val_every_steps == 0:
             early = validate(run)
             stop = stop or early
+        stop = stop or (tc.max_steps > 0 and st.step >= tc.max_steps)
         if request is not None:  # every rank stops after the same step: the highest signal seen wins
             seen = request.signal or 0
             stopped_by = int(max_over_ranks(seen) if run.dist.enabled else seen) or None
