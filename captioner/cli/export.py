@@ -20,7 +20,7 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="int8: the encoder quantized to 8-bit integers (~2.2x faster on a CPU, captions change a "
                         "little; score it with captioner evaluate --runtime onnx); needs --calibration. float16: "
                         "the encoder's weights stored in float16 (half the file, computed in float32 as before, "
-                        "grids within ~0.1%%)")
+                        "grids within ~0.3%%)")
     p.add_argument("--small", action="store_true",
                    help="the decoder's weights in float16 and no token tables: about a quarter of the decoder graphs' "
                         "size, for shipping a model (the step a little slower)")

@@ -64,13 +64,7 @@ def load_image(path: str | Path, draft: int | None = None) -> Image.Image:
         if path.stat().st_size == 0:
             raise ImageError(f"{path}: empty file")
         with Image.open(path) as im:
-            size = _upright(im)
-            if draft and im.format == "JPEG":
-                im.draft("RGB", (draft, draft))
-            im.load()  # decode everything now: truncated data fails here, not later
-            im = to_rgb(_exif_transpose(im, path))
-            im.info[FULL_SIZE] = size
-            return im
+            return _decoded(im, path, draft)
 
 
 def photo_size(path: str | Path) -> tuple[int, int]:
@@ -89,13 +83,19 @@ def decode_image(data: bytes, name: str = "<image>", max_pixels: int = 50_000_00
     with _reading(name), Image.open(io.BytesIO(data)) as im:
         if im.width * im.height > max_pixels:
             raise ImageTooLarge(f"{name}: {im.width}x{im.height} pixels is more than the {max_pixels:,} allowed")
-        size = _upright(im)
-        if draft and im.format == "JPEG":
-            im.draft("RGB", (draft, draft))
-        im.load()
-        im = to_rgb(_exif_transpose(im, name))
-        im.info[FULL_SIZE] = size
-        return im
+        return _decoded(im, name, draft)
+
+
+def _decoded(im: Image.Image, name: Path | str, draft: int | None) -> Image.Image:
+    """An opened image decoded (a JPEG at the DCT scale `draft` allows) to upright 8-bit RGB, its
+    photo's own size kept as `full_size`."""
+    size = _upright(im)
+    if draft and im.format == "JPEG":
+        im.draft("RGB", (draft, draft))
+    im.load()  # decode everything now: truncated data fails here, not later
+    rgb = to_rgb(_exif_transpose(im, name))
+    rgb.info[FULL_SIZE] = size
+    return rgb
 
 
 @contextmanager
