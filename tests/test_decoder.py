@@ -73,6 +73,35 @@ def test_teacher_forced_forward_equals_stepping(attend, scene):
         assert torch.all(logits[~going, t] == 0)
 
 
+@pytest.mark.parametrize("attend", ["before", "after"])
+def test_teacher_forced_gradients_equal_stepping(attend):
+    """The packed pass adds every step's gradient of the shared memory into one buffer (`_Heads`):
+    the gradients must be those of stepping the captions one by one."""
+    cfg = dataclasses.replace(CFG, attend=attend, global_context=True, position=True)
+    dec = AttentionDecoder(V, D, cfg, grid=GRID).eval()
+    features, tokens, lengths = _batch()
+    features.requires_grad_(True)
+    weights = torch.randn(int(lengths.sum()), V)  # any loss that reads every position
+    out = dec(features, tokens, lengths)
+    (out.logits * weights).sum().backward()
+    packed = {n: p.grad.clone() for n, p in dec.named_parameters()}, features.grad.clone()
+    dec.zero_grad()
+    features.grad = None
+    memory, total = dec.memory(features), 0.0
+    hidden = dec.init_hidden(memory)
+    rows = {(c, t): i for i, (c, t) in enumerate(zip(out.caption.tolist(), out.step.tolist()))}
+    for t in range(tokens.size(1) - 1):
+        step = dec.step(tokens[:, t], hidden, memory)
+        hidden = step.hidden
+        for b in range(B):
+            if lengths[b] > t:
+                total = total + (step.logits[b] * weights[rows[b, t]]).sum()
+    total.backward()
+    for name, p in dec.named_parameters():
+        torch.testing.assert_close(packed[0][name], p.grad, msg=name)
+    torch.testing.assert_close(packed[1], features.grad)
+
+
 def test_scheduled_sampling_feeds_own_predictions():
     dec = AttentionDecoder(V, D, CFG, grid=GRID).eval()
     features, tokens, lengths = _batch()

@@ -70,7 +70,7 @@ class OnnxDecoder:
 
     def memory(self, grid: Tensor) -> OnnxMemory:
         features, keys, state = self.memory_session.run(None, {"grid": grid.float().contiguous().numpy()})
-        return OnnxMemory(torch.from_numpy(features), torch.from_numpy(keys), torch.from_numpy(state))
+        return OnnxMemory(torch.from_numpy(features), torch.from_numpy(keys), initial=torch.from_numpy(state))
 
     def init_hidden(self, memory: OnnxMemory) -> Tensor:
         return memory.initial

@@ -36,7 +36,7 @@ from captioner.recipes.build import (
     load_boxes,
     load_splits,
 )
-from captioner.device import resolve_device, seed_everything
+from captioner.device import keep_freed_memory, resolve_device, seed_everything
 from captioner.training.distributed import (
     DistInfo,
     dist_from_env,
@@ -177,6 +177,7 @@ def train(cfg: Config, out_dir: str | Path, device: str | torch.device = "auto",
     """
     import torch.distributed as torch_dist
 
+    keep_freed_memory()  # a step's large temporaries reused, not page-faulted in anew
     dist = dist_from_env()
     owns_group = dist.enabled and not torch_dist.is_initialized()
     dev = init_distributed(dist, resolve_device(device) if isinstance(device, str) else device)
