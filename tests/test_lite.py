@@ -146,7 +146,7 @@ def _decoder(vocab_size: int, attend: str) -> AttentionDecoder:
 
 
 def _numpy_step(decoder: AttentionDecoder):
-    from captioner.model.decoder import Memory
+    from captioner.model.memory import Memory
 
     def step(tokens, state, features, keys):
         with torch.no_grad():

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from captioner.model.decoder import AttentionDecoder, Memory, StepOutput
+from captioner.model.decoder import AttentionDecoder, StepOutput
+from captioner.model.memory import Memory
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from torch import Tensor
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.search import Hypothesis, length_penalty
 from captioner.decoding.text import TextError, text_ids  # noqa: F401 (re-exported: text_ids reads the text to force)
-from captioner.model.decoder import AttentionDecoder, Memory
+from captioner.model.decoder import AttentionDecoder
+from captioner.model.memory import Memory
 
 
 @dataclass(frozen=True)

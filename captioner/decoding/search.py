@@ -38,7 +38,8 @@ from torch import Tensor
 from captioner.config import DecodeConfig
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.rules import NEG_INF, Rules
-from captioner.model.decoder import AttentionDecoder, Memory
+from captioner.model.decoder import AttentionDecoder
+from captioner.model.memory import Memory
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from captioner.deploy.step import InferenceMemory, InferenceStep
 from captioner.files import atomic_write_text, staged_files, writable_dir
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import load_checkpoint, restore_model
-from captioner.model.decoder import AttentionDecoder, Memory
+from captioner.model.decoder import AttentionDecoder
+from captioner.model.memory import Memory
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # largest difference from torch accepted, on any output

@@ -25,8 +25,9 @@ from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
 from captioner.deploy import GRAPHS, FormatError, require_onnx
 from captioner.deploy.folder import encode_chunks, exported, ort_session, read_manifest
-from captioner.model.decoder import Memory, StepOutput
+from captioner.model.decoder import StepOutput
 from captioner.model.encoder import Cells, eval_transform
+from captioner.model.memory import Memory
 
 
 def encode_in_chunks(session: Any, pixels: Tensor) -> Tensor:
