@@ -38,8 +38,9 @@ def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed blocks of up to 32 MB for reuse instead of returning them to
     the system. By default it maps each large block anew and unmaps it when freed, so every training
     step's temporaries (a 16x16 grid's (32, 256, 256) attention tensors, their gradients) are page-
-    faulted in again at first touch: some 12,700 faults a step of the Flickr8k recipe, and 15-20% of
-    its time on the CPU (docs/RESULTS.md, Time and memory). The heap keeps what the largest step
+    faulted in again at first touch: some 12,700 faults a step of the Flickr8k recipe, 15-20% of its
+    time on this CPU's slow hours, nothing measurable on its fast ones (docs/RESULTS.md, Time and
+    memory). The heap keeps what the largest step
     needed. Returns False where the C library is not glibc (nothing changed).
     """
     try:
