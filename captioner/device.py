@@ -40,8 +40,8 @@ def keep_freed_memory() -> bool:
     step's temporaries (a 16x16 grid's (32, 256, 256) attention tensors, their gradients) are page-
     faulted in again at first touch: some 12,700 faults a step of the Flickr8k recipe, 15-20% of its
     time on this CPU's slow hours, nothing measurable on its fast ones (docs/RESULTS.md, Time and
-    memory). The heap keeps what the largest step
-    needed. Returns False where the C library is not glibc (nothing changed).
+    memory). The heap keeps what the largest step needed. Returns False where the C library is not
+    glibc (nothing changed).
     """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
