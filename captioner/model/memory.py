@@ -33,7 +33,7 @@ class Memory:
         still going at each step of a packed pass. One autograd node for all of them (`_Heads`)."""
         parts = [t for t in (self.features, self.keys, self.scene) if t is not None]
         views = [_Heads.apply(t, sizes) for t in parts]  # per tensor: one view per step
-        return [Memory(*(v[t] for v in views), *([None] if self.scene is None else [])) for t in range(len(sizes))]
+        return [Memory(*(v[t] for v in views)) for t in range(len(sizes))]
 
     def mean(self) -> Tensor:
         """(B, D) the grid's mean."""
@@ -52,6 +52,7 @@ class _Heads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, sizes: list[int]) -> tuple[Tensor, ...]:
         ctx.sizes, ctx.shape = sizes, x.shape
+        ctx.set_materialize_grads(False)  # a step whose view got no gradient gives None, not zeros
         return tuple(x[:n] for n in sizes)
 
     @staticmethod
