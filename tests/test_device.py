@@ -20,9 +20,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _page_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout)
+def _page_faults(mode: str, runs: int = 3) -> int:
+    """The fewest page faults of 10 steps over `runs` fresh processes: one process now and then counts
+    several times its usual faults whatever the mode (kept: 2.0-6.2k, once 10.9k beside the test suite;
+    default: 9.4-44k), the fewest does not."""
+    counts = [subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, check=True).stdout
+              for _ in range(runs)]
+    return min(int(count) for count in counts)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
