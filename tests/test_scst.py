@@ -117,6 +117,12 @@ def _policy_loss(scst, model, features, advantage_of, seed):
     model.decoder.eval()
     tokens, lengths = sample(model.decoder, features, K, scst.max_length, v.start_id, v.end_id, v.pad_id,
                              (v.pad_id, v.start_id, v.unk_id))
+    return _loss_of(scst, model, features, tokens, lengths, advantage_of)
+
+
+def _loss_of(scst, model, features, tokens, lengths, advantage_of):
+    """-(advantage * log p) over the words of given captions (R, T), K per image."""
+    v, K = scst.vocab, scst.cfg.scst_samples
     words = scst.words(tokens)
     reward = scst.rewards(words, [i for i in range(len(features)) for _ in range(K)])
     seqs = torch.cat([torch.full((len(tokens), 1), v.start_id), tokens], 1)
@@ -155,6 +161,39 @@ def test_the_greedy_baseline_is_the_reward_of_the_images_greedy_caption(start):
     assert cost.loss.total.item() == pytest.approx(expected.item(), rel=1e-5)
     # a sample that is the greedy caption itself gets no push either way
     assert scst.rewards([greedy[0]], [0]).item() == pytest.approx(baseline[0].item())
+
+
+def test_beam_sampling_trains_on_each_images_best_beams_against_their_mean(start):
+    """`scst_sampling: beam`: an image's K captions are its K best beams under the run's decode
+    rules (beam size K), each judged against the mean reward of the other K - 1."""
+    config, ce = start
+    from captioner.data.datasets import ImageBatch
+    from captioner.decoding.search import decode_n_best
+    from captioner.training.scst import SelfCritical
+
+    model, ckpt = _restored(ce)
+    cfg = run_config(config, [*SCST, f"train.init={ce}", "train.scst_sampling=beam", "train.scst_samples=3",
+                              "decode.no_repeat_ngram=2"])
+    refs = [("a red circle", "there is a red circle"), ("a blue square and a green triangle",)]
+    scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
+    images = torch.rand(2, 3, 64, 64)
+    cost = scst.loss(ImageBatch(images, torch.tensor([0, 1])))
+
+    features = model.encoder.infer(images).clone()
+    model.decoder.eval()
+    v = ckpt.vocab
+    beams = decode_n_best(model.decoder, features, cfg.decode.with_overrides(beam_size=3), v, 3)
+    assert [len(b) for b in beams] == [3, 3]
+    tokens, lengths = scst._draw(features)
+    assert scst.words(tokens) == [v.decode(h.tokens) for b in beams for h in b]
+    assert lengths.tolist() == [len(h.tokens) + h.finished for b in beams for h in b]
+
+    def leave_one_out(reward, _):
+        by_image = reward.view(2, 3)
+        return (by_image - (by_image.sum(1, keepdim=True) - by_image) / 2).view(-1)
+
+    expected = _loss_of(scst, model, features, tokens, lengths, leave_one_out)
+    assert cost.loss.total.item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_the_cross_entropy_mix_adds_the_references_teacher_forced_cross_entropy(start):

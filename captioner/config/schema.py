@@ -163,6 +163,9 @@ class TrainConfig(_Section):
     init: str = ""  # start from this checkpoint's weights, vocabulary and model config (a new run; scst needs it)
     scst_samples: int = 5  # captions sampled per image; each is judged against the mean reward of the others
     scst_baseline: Literal["mean", "greedy"] = "mean"  # or the reward of the image's greedy caption
+    # "multinomial": captions drawn from the model; "beam": the image's scst_samples best beams, searched
+    # with the run's decode rules (the captions evaluation writes; Cornia et al. 2020's SCST)
+    scst_sampling: Literal["multinomial", "beam"] = "multinomial"
     scst_xent_weight: float = 0.0  # mix in this much cross-entropy on the references
     # weight of KL(policy || the initial model) per sampled word: keeps SCST near its cross-entropy start
     scst_kl_weight: float = 0.0

@@ -4,7 +4,10 @@ Luo (2020): fine-tune a cross-entropy model to raise the CIDEr-D of its own capt
 For each image of a batch the model samples K captions (`train.scst_samples`); each is rewarded
 with its CIDEr-D against the image's references (document frequencies from all training references,
 fixed once), and pushed up or down by how much better it did than the mean reward of the image's
-other K - 1 samples (or than the image's greedy caption, `scst_baseline: greedy`):
+other K - 1 samples (or than the image's greedy caption, `scst_baseline: greedy`). With
+`scst_sampling: beam` the K captions are instead the image's K best beams, searched with the run's
+decode rules: the captions evaluation writes, not draws from the whole distribution (the SCST of
+Cornia et al. 2020, Meshed-Memory Transformer):
 
     loss = -mean over sampled words of (reward - baseline) * log p(word)
 
@@ -32,7 +35,7 @@ from captioner.data.vocab import Vocabulary, tokenize
 from captioner.decoding.cider import CiderD
 from captioner.decoding.sampling import sample
 from captioner.decoding.rules import ban
-from captioner.decoding.search import decode
+from captioner.decoding.search import decode, decode_n_best
 from captioner.model.caption_model import CaptionModel
 from captioner.training.loss import LossOutput
 from captioner.training.objective import BatchLoss, logged_terms
@@ -64,6 +67,7 @@ class SelfCritical:
         self.device, self.amp_dtype = device or torch.device("cpu"), amp_dtype
         self.initial = None if initial is None else initial.eval().requires_grad_(False)
         self.max_length = decode_cfg.max_length
+        self.beam_cfg = decode_cfg.with_overrides(beam_size=train_cfg.scst_samples)  # scst_sampling "beam"
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
         self.ref_ids = [[vocab.encode(c, decode_cfg.max_length) for c in refs] for refs in self.refs]
@@ -102,8 +106,7 @@ class SelfCritical:
             with torch.autocast(device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
                 # (N, L, D) grids; the encoder's output cloned so that autograd may use it
                 features = inputs if self.cached else self.model.encoder.infer(inputs).clone()
-                tokens, lengths = sample(decoder, features, K, self.max_length, self.vocab.start_id, self.vocab.end_id,
-                                         self.vocab.pad_id, self.banned, self.MIN_LENGTH)  # (R, T), (R,)
+                tokens, lengths = self._draw(features)  # (R, T), (R,)
                 reward = self.rewards(self.words(tokens), [i for i in image_ids for _ in range(K)]).to(device)  # (R,)
                 advantage = (reward - self._baseline(reward, features, image_ids)).detach()  # (R,) no gradient
                 start = torch.full((len(tokens), 1), self.vocab.start_id, dtype=torch.long, device=device)
@@ -123,6 +126,19 @@ class SelfCritical:
             decoder.train(was_training)
         zero = total.new_zeros(())
         return BatchLoss(LossOutput(total, xent, zero, zero, reward.mean(), zero), len(tokens), len(tokens))
+
+    def _draw(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """K captions of each of the N images (`train.scst_sampling`): tokens (R, T), <end> where
+        written, then <pad>; lengths (R,) the scored positions of each. Rows k·K .. k·K + K - 1 are
+        image k's. Beam search may finish fewer than K beams of an image: its beams are then repeated."""
+        K, v = self.cfg.scst_samples, self.vocab
+        if self.cfg.scst_sampling == "multinomial":
+            return sample(self.model.decoder, features, K, self.max_length, v.start_id, v.end_id, v.pad_id,
+                          self.banned, self.MIN_LENGTH)
+        ranked = decode_n_best(self.model.decoder, features, self.beam_cfg, v, K)  # N lists of <= K
+        rows = [[v.start_id, *h.tokens] + [v.end_id] * h.finished for beams in ranked for h in (beams * K)[:K]]
+        tokens, lengths = pad_captions(rows, v.pad_id)  # (R, T + 1) [<start>, words, <end>?, <pad>...]
+        return tokens[:, 1:].to(features.device), lengths
 
     def _baseline(self, reward: Tensor, features: Tensor, image_ids: list[int]) -> Tensor:
         """(R,) what each sample's reward is measured against: the mean reward of its image's other
