@@ -161,7 +161,7 @@ class TrainConfig(_Section):
     # fine-tunes a cross-entropy model (`init`) to raise the CIDEr-D of its own sampled captions.
     objective: Literal["xent", "scst"] = "xent"
     init: str = ""  # start from this checkpoint's weights, vocabulary and model config (a new run; scst needs it)
-    scst_samples: int = 5  # captions sampled per image; each is judged against the mean reward of the others
+    scst_samples: int = 5  # captions per image (drawn, or its best beams); each judged against the mean reward of the others
     scst_baseline: Literal["mean", "greedy"] = "mean"  # or the reward of the image's greedy caption
     # "multinomial": captions drawn from the model; "beam": the image's scst_samples best beams, searched
     # with the run's decode rules (the captions evaluation writes; Cornia et al. 2020's SCST)
