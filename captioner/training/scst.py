@@ -13,7 +13,8 @@ Cornia et al. 2020, Meshed-Memory Transformer):
 
 The samples are drawn without gradients, in eval mode (no dropout); their log-probabilities then
 come from the packed teacher-forced pass over them, also in eval mode, so the gradient is that of
-the distribution sampled from. The baseline never gets a gradient. `scst_xent_weight` mixes in the
+the distribution sampled from (for beams: the model's own probabilities of them, without the search's
+n-gram and repeated-word rules). The baseline never gets a gradient. `scst_xent_weight` mixes in the
 cross-entropy of the references; `scst_kl_weight` the KL divergence of the policy from the frozen
 initial model at every sampled position (as RL fine-tuning of language models does), which holds the
 policy near its cross-entropy start: on 700 training images SCST otherwise learns their references.
