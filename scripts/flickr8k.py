@@ -40,7 +40,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="delete --out first and run every stage")
     p.add_argument("--bundle", metavar="DIR",
                    help="also export the model with the higher dev CIDEr-D as an ONNX folder (the encoder's weights "
-                        "in float16) with its model card (captioner/models/flickr8k is the one `captioner caption` "
+                        "in float16, the decoder's in int8 but the GRU's in float16) with its model card (captioner/models/flickr8k is the one `captioner caption` "
                         "uses with no --checkpoint)")
     p.add_argument("overrides", nargs="*", help="section.key=value for the cross-entropy run")
     return p
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         best = max(rows, key=lambda name: rows[name]["CIDEr"])
         run = {"cross-entropy": xent, "SCST": scst}[best]
         folder = Path(args.bundle)
-        export = ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "--quantize",
-                  "float16", *decoding]
+        export = ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "int8",
+                  "--quantize", "float16", *decoding]
         stage("bundle", CAPTIONER + export, env, out / "bundle.log")
         manifest = json.loads((folder / "manifest.json").read_text())
         write_card(folder / "MODEL_CARD.md", best, rows, minutes, args, manifest)
@@ -131,6 +131,14 @@ def stored_as(encoder: dict) -> str:
         return (f"the encoder's weights in float16 (computed in float32; its grids within "
                 f"{encoder['relative_difference']:.1%} of the trained model's)")
     return "the encoder in float32"
+
+
+def decoder_stored_as(encoder: dict) -> str:
+    """How a manifest's decoder weights are stored, for the model card."""
+    weights = encoder.get("decoder_weights", "float32")
+    if weights == "int8":
+        return "the decoder's weight matrices in int8 (one float32 scale per row, computed in float32)"
+    return f"the decoder's weights in {weights}"
 
 
 def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minutes: dict[str, float],
@@ -156,7 +164,7 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
 weights) at {encoder["image_size"]} px turns a photo into a {height}x{width} grid of regions; a GRU
 decoder writes the caption word by word, attending over the regions at every step. Exported to ONNX
 with {stored_as(encoder)}
-and the decoder's weights in float16, so `captioner caption photo.jpg` runs it with ONNX Runtime,
+and {decoder_stored_as(encoder)}, so `captioner caption photo.jpg` runs it with ONNX Runtime,
 numpy and Pillow alone.
 
 **Data.** Flickr8k (Hodosh, Young, Hockenmaier 2013; photos from Flickr, **for research use

@@ -372,6 +372,19 @@ def test_int8_settings_are_checked_before_any_export(exported, tmp_path, capsys)
     assert not (out / "encoder.onnx").exists()  # refused before minutes of export
 
 
+def test_small_names_how_the_decoder_weights_are_stored(capsys):
+    """`--small` alone is float16 (as before int8 came); `--small int8`; anything else is refused."""
+    from captioner.cli import build_parser
+
+    base = ["export", "--checkpoint", "model.pt", "-o", "out"]
+    assert build_parser().parse_args(base).small is None
+    assert build_parser().parse_args([*base, "--small"]).small == "float16"
+    assert build_parser().parse_args([*base, "--small", "int8"]).small == "int8"
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args([*base, "--small", "int4"])
+    assert refused.value.code == 2 and "--small: invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_evaluate_with_the_onnx_runtime_scores_as_torch(tmp_path, capsys):
     torch.manual_seed(0)
     model_cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64),
@@ -392,29 +405,50 @@ def test_evaluate_with_the_onnx_runtime_scores_as_torch(tmp_path, capsys):
     assert scores["onnx"]["metrics"] == pytest.approx(scores["torch"]["metrics"], abs=1e-6)
 
 
-def test_a_small_export_stores_the_decoder_in_float16_and_captions_as_its_rounded_weights(tmp_path):
-    """`export --small`: no token tables, the decoder's weights rounded to float16 and stored so; its
-    captions, scores and maps are those of the torch model with those rounded weights, and its decoder
-    graphs are smaller than a full export's."""
+@pytest.mark.parametrize("precision, stored, most", [("float16", "FLOAT16", 0.6), ("int8", "INT8", 0.5)])
+def test_a_small_export_stores_the_decoder_rounded_and_captions_as_its_rounded_weights(tmp_path, precision, stored,
+                                                                                        most):
+    """`export --small float16|int8`: no token tables, the decoder's weights rounded (int8: one scale
+    per row) and stored so; its captions, scores and maps are those of the torch model with those
+    rounded weights, and its decoder graphs are smaller than a full export's."""
     import onnx
 
-    from captioner.deploy.export import half_weights
+    from captioner.deploy.weights import round_weights
     from captioner.model.checkpoint import load_checkpoint, restore_model
 
     checkpoint = _checkpoint(tmp_path / "tiny.pt", attend="after", global_context=True, concepts=True)
     full = export_onnx(checkpoint, tmp_path / "full")
-    small = export_onnx(checkpoint, tmp_path / "small", small=True)
+    small = export_onnx(checkpoint, tmp_path / "small", small=precision)
     assert max(small.differences.values()) < 1e-4
     full_size_, small_size = (sum((r.folder / f"{g}.onnx").stat().st_size for g in ("memory", "step"))
                               for r in (full, small))
-    assert small_size < 0.6 * full_size_  # a tiny vocabulary: its tables are small (Flickr8k: 9.3 vs 42.6 MB)
+    assert small_size < most * full_size_  # a tiny vocabulary: its tables are small (Flickr8k: 9.3 vs 42.6 MB)
     step = onnx.load(str(small.folder / "step.onnx"))
-    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in step.graph.initializer)
-    assert json.loads((small.folder / "manifest.json").read_text())["encoder"]["decoder_weights"] == "float16"
+    assert any(i.data_type == getattr(onnx.TensorProto, stored) for i in step.graph.initializer)
+    assert json.loads((small.folder / "manifest.json").read_text())["encoder"]["decoder_weights"] == precision
     ckpt = load_checkpoint(checkpoint)
     model = restore_model(ckpt, str(checkpoint))
-    model.decoder = half_weights(model.decoder)
+    model.decoder = round_weights(model.decoder, precision)
+    gru = model.decoder.cell.weight_ih.detach()
+    assert torch.equal(gru, gru.half().float())  # the recurrent weights in float16 (int8: the others)
     rounded = Captioner(model, ckpt.vocab, ckpt.config.decode, "cpu")
     for t, o in zip(rounded.caption(_images()), onnx_captioner(small.folder).caption(_images())):
         assert o.tokens == t.tokens and o.score == pytest.approx(t.score, abs=1e-4)
         np.testing.assert_allclose(o.attention, t.attention, atol=1e-4)
+
+
+def test_int8_weights_are_found_by_row_or_column_and_nothing_else_is_rounded():
+    """A matrix `round_weights` made int8 is stored as int8 times one scale per row, also when the
+    exporter stored it transposed, doubled or a slice of its columns (a GRU's weights split by input);
+    a weight not so rounded is never quantized."""
+    from captioner.deploy.weights import _int8_rows, as_int8
+
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 40)[:, None]
+    rounded = _int8_rows(w).numpy()
+    assert np.abs(rounded - w.numpy()).max() <= np.abs(w.numpy()).max(axis=1).max() / 127 / 2 + 1e-6
+    for seen in (rounded, rounded.T.copy(), 2 * rounded, rounded[:, 40:].T.copy()):
+        q, scale = as_int8(seen)
+        assert q.dtype == np.int8 and np.abs(q).max() <= 127 and scale.size == 40
+        np.testing.assert_allclose(q * scale, seen, rtol=1e-6)
+    assert as_int8(w.numpy()) is None
+    assert as_int8(w.half().float().numpy()) is None

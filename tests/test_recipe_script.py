@@ -30,12 +30,14 @@ def test_the_model_card_states_the_scores_and_the_decoding_rules(tmp_path):
     row = {"Bleu_1": 0.63, "Bleu_4": 0.218, "METEOR": 0.207, "ROUGE_L": 0.465, "CIDEr": 0.526, "words": 234,
            "hit": 0.89, "centre": 0.712, "mass": 0.707, "even": 0.294}
     manifest = {"encoder": {"name": "efficientnet_lite0", "image_size": 384, "grid": [12, 12], "precision": "float32",
-                            "encoder_weights": "float16", "relative_difference": 0.0026},
+                            "encoder_weights": "float16", "relative_difference": 0.0026,
+                            "decoder_weights": "int8"},
                 "decode": {"beam_size": 5, "no_repeat_ngram": 2, "no_repeat_words": True}}
     script.write_card(tmp_path / "MODEL_CARD.md", "cross-entropy", {"cross-entropy": row}, {"xent": 30.0}, args,
                       manifest)
     card = (tmp_path / "MODEL_CARD.md").read_text()
     assert "12x12 grid" in card and "research use" in card
     assert "the encoder's weights in float16 (computed in float32; its grids within 0.3% of the trained" in card
+    assert "the decoder's weight matrices in int8 (one float32 scale per row" in card
     assert "| cross-entropy | 0.630 | 0.218 | 0.207 | 0.465 | 0.526 | 234 | 0.890 (0.712) | 0.707 (0.294) |" in card
     assert "(970 photos, beam 5, no repeated 2-gram, no content word twice;" in card

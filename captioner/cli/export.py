@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from captioner.cli.common import add_decode_flags, decode_overrides
-from captioner.deploy import CALIBRATION_IMAGES
+from captioner.deploy import CALIBRATION_IMAGES, SMALL_WEIGHTS
 from captioner.errors import CaptionerError
 
 
@@ -21,9 +21,10 @@ def add(sub: argparse._SubParsersAction) -> None:
                         "little; score it with captioner evaluate --runtime onnx); needs --calibration. float16: "
                         "the encoder's weights stored in float16 (half the file, computed in float32 as before, "
                         "grids within ~0.3%%)")
-    p.add_argument("--small", action="store_true",
-                   help="the decoder's weights in float16 and no token tables: about a quarter of the decoder graphs' "
-                        "size, for shipping a model (the step a little slower)")
+    p.add_argument("--small", nargs="?", const="float16", choices=SMALL_WEIGHTS,
+                   help="the decoder's weights in float16 (--small alone) or int8 (one scale per row; captions change "
+                        "a little: score it with captioner evaluate --runtime onnx) and no token tables: a quarter "
+                        "or an eighth of the decoder graphs' size, for shipping a model (the step a little slower)")
     p.add_argument("--calibration", nargs="+", metavar="IMG",
                    help="photos like those you will caption (files, folders or glob patterns; up to "
                         f"{CALIBRATION_IMAGES} evenly spaced are used), for --quantize int8")

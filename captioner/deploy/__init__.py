@@ -3,6 +3,7 @@
     export.py    `export_onnx(checkpoint, folder)`: encoder, memory and step graphs + manifest, verified
     quantize.py  the encoder in int8 (static quantization calibrated on photos), for `export --quantize int8`
     step.py      the decoder's memory and step rewritten for inference graphs (token tables)
+    weights.py   the decoder's weights stored in float16 or int8, for `export --small`
     encoder.py   the feature cache built with ONNX Runtime
     runtime.py   `onnx_captioner(folder)`: a `Captioner` whose encoder and decoder steps run in ONNX Runtime
     folder.py    an export folder without torch: manifest, sessions, the cache of exports, the bundled model
@@ -19,6 +20,7 @@ MANIFEST = "manifest.json"
 EXPORT_VERSION = 3  # 2: memory/step from `deploy.step` (keys doubled, token tables); 3: manifest data + precision
 OPSET = 18
 GRAPHS = ("encoder", "memory", "step")
+SMALL_WEIGHTS = ("float16", "int8")  # how `export --small` stores the decoder's weights (`deploy.weights`)
 CALIBRATION_IMAGES = 64  # the most photos an int8 encoder is calibrated on (evenly spaced over those given)
 
 

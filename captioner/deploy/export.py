@@ -15,7 +15,6 @@ compared with torch on inputs of two batch sizes before the export counts as don
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -31,9 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from captioner.config import DecodeConfig
-from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, FormatError, require_onnx
+from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, SMALL_WEIGHTS, FormatError, require_onnx
 from captioner.deploy.quantize import calibration_pixels, quantize_encoder, relative_difference
 from captioner.deploy.step import InferenceMemory, InferenceStep
+from captioner.deploy.weights import round_weights, store_weights
 from captioner.files import atomic_write_text, staged_files, writable_dir
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import load_checkpoint, restore_model
@@ -116,44 +116,6 @@ def manifest(ckpt: Any, model: CaptionModel, checkpoint: str, precision: dict[st
     }
 
 
-def half_weights(decoder: AttentionDecoder) -> AttentionDecoder:
-    """A copy of `decoder` whose weights are rounded to float16 (kept float32): the model a small
-    export stores exactly, and what its graphs are checked against."""
-    decoder = copy.deepcopy(decoder)
-    with torch.no_grad():
-        for p in decoder.parameters():
-            p.copy_(p.half().float())
-    return decoder
-
-
-def store_half(path: Path, min_size: int = 1024, exact: bool = True) -> None:
-    """Rewrite an ONNX graph so its float32 weights of at least `min_size` numbers that float16 holds
-    exactly (those `half_weights` rounded; not what the exporter folded from them) are stored in
-    float16, each cast back to float32 by a node ONNX Runtime folds away when it loads the graph: half
-    the file, the same arithmetic. `exact` False: every such weight, rounded to float16."""
-    import onnx
-    from onnx import helper, numpy_helper
-
-    model = onnx.load(str(path))
-    graph, casts, kept = model.graph, [], []
-    for init in graph.initializer:
-        weights = numpy_helper.to_array(init) if init.data_type == onnx.TensorProto.FLOAT else None
-        if (weights is not None and weights.size >= min_size
-                and (not exact or np.array_equal(weights.astype(np.float16), weights))):
-            half = numpy_helper.from_array(weights.astype(np.float16), init.name + "_fp16")
-            kept.append(half)
-            casts.append(helper.make_node("Cast", [half.name], [init.name], to=onnx.TensorProto.FLOAT))
-        else:
-            kept.append(init)
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    nodes = casts + list(graph.node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
-
-
 def half_encoder(path: Path, pixels: np.ndarray) -> float:
     """Store the weights of the encoder graph at `path` in float16 (rounded; it still computes in
     float32): half the file. Returns its grids' relative difference from the float32 graph's on
@@ -161,7 +123,7 @@ def half_encoder(path: Path, pixels: np.ndarray) -> float:
     fp32 = path.with_name(f"{path.stem}-float32.onnx")
     shutil.copyfile(path, fp32)
     try:
-        store_half(path, exact=False)
+        store_weights(path, "float16", exact=False)
         difference = relative_difference(fp32, path, pixels)
     finally:
         fp32.unlink()
@@ -189,15 +151,19 @@ def export_verified(module: nn.Module, example: tuple[Tensor, ...], inputs: list
 
 
 def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], stage: Path, out: Path,
-                   small: bool) -> dict[str, float]:
-    """Export and verify each graph into `stage` (`export_verified`); each one's largest difference."""
+                   small: str | None) -> dict[str, float]:
+    """Export and verify each graph into `stage` (`export_verified`), the decoder's weights stored as
+    `small` rounded them (None: float32); each one's largest difference."""
+    def store(path: Path) -> None:
+        store_weights(path, small)
+
     differences = {}
     for name, (module, reference, inputs, outputs) in graphs.items():
         path = stage / f"{name}.onnx"
         log.info("exporting %s", out / path.name)
         differences[name] = export_verified(module, traced[name], inputs, outputs, path,
                                             [check[name] for check in checks], reference,
-                                            store_half if small and name != "encoder" else None, str(out / path.name))
+                                            store if small and name != "encoder" else None, str(out / path.name))
     return differences
 
 
@@ -220,13 +186,14 @@ def _shrink_encoder(encoder: Path, calibration: np.ndarray | None, half: np.ndar
 
 
 def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
-                int8_calibration: Sequence[str] | None = None, small: bool = False,
+                int8_calibration: Sequence[str] | None = None, small: str | None = None,
                 decode: Mapping[str, Any] | None = None, float16_encoder: bool = False) -> ExportReport:
     """Export `checkpoint` to `out_dir` (created; files replaced) and verify it. With
     `int8_calibration` (photo paths) the encoder is quantized to int8, calibrated on those photos
     (`captioner.deploy.quantize`); `float16_encoder`: its weights stored in float16 instead (half the
-    file, grids within ~0.3% of float32). `small`: the decoder's weights rounded to float16 and stored
-    so, and no token tables in the step graph (about a quarter of the size; the step a little slower).
+    file, grids within ~0.3% of float32). `small` ("float16" or "int8", `captioner.deploy.weights`): the
+    decoder's weights rounded so and stored so, and no token tables in the step graph (float16: about a
+    quarter of the size, int8 an eighth; the step a little slower).
     `decode`: DecodeConfig fields the export's decode defaults change (None values = the
     checkpoint's), e.g. {"beam_size": 5}: what `caption` and `serve` use with it. Raises
     FormatError (one line) for what cannot be exported, and when a graph differs from torch by more
@@ -234,6 +201,8 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     require_onnx()
     if int8_calibration is not None and float16_encoder:
         raise FormatError("the encoder is either int8 or float16, not both")
+    if small is not None and small not in SMALL_WEIGHTS:
+        raise FormatError(f"small {small!r}: the decoder's weights are stored in one of {', '.join(SMALL_WEIGHTS)}")
     out = writable_dir(out_dir)
     ckpt = load_checkpoint(checkpoint)
     if ckpt.model_config.decoder.init_pooling == "attention":
@@ -244,7 +213,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     calibration = (None if int8_calibration is None else  # read before minutes of export, not after
                    calibration_pixels(int8_calibration, model.encoder.transform(train=False)))
     generator = torch.Generator().manual_seed(seed)
-    S, dec = model.encoder.image_size, (half_weights(model.decoder) if small else model.decoder)
+    S, dec = model.encoder.image_size, (round_weights(model.decoder, small) if small else model.decoder)
 
     def examples(batch: int) -> dict[str, tuple[Tensor, ...]]:
         pixels = torch.randn(batch, 3, S, S, generator=generator)
@@ -264,7 +233,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
     traced, checks = examples(2), [examples(1), examples(5)]
     with staged_files(out, last=MANIFEST) as stage:  # a refused export leaves `out` as it was
         differences = _export_graphs(graphs, traced, checks, stage, out, small)
-        precision: dict[str, Any] = {"precision": "float32", "decoder_weights": "float16" if small else "float32"}
+        precision: dict[str, Any] = {"precision": "float32", "decoder_weights": small or "float32"}
         half = checks[-1]["encoder"][0].numpy() if float16_encoder else None
         try:
             shrunk, encoder_difference = _shrink_encoder(stage / "encoder.onnx", calibration, half)
