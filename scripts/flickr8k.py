@@ -137,7 +137,8 @@ def decoder_stored_as(encoder: dict) -> str:
     """How a manifest's decoder weights are stored, for the model card."""
     weights = encoder.get("decoder_weights", "float32")
     if weights == "int8":
-        return "the decoder's weight matrices in int8 (one float32 scale per row, computed in float32)"
+        return ("the decoder's weight matrices in int8 (one float32 scale per row), the GRU's in float16, all "
+                "computed in float32")
     return f"the decoder's weights in {weights}"
 
 
