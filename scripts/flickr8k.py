@@ -40,8 +40,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="delete --out first and run every stage")
     p.add_argument("--bundle", metavar="DIR",
                    help="also export the model with the higher dev CIDEr-D as an ONNX folder (the encoder's weights "
-                        "in float16, the decoder's in int8 but the GRU's in float16) with its model card (captioner/models/flickr8k is the one `captioner caption` "
-                        "uses with no --checkpoint)")
+                        "in float16, the decoder's in int8 but the GRU's in float16) with its model card "
+                        "(captioner/models/flickr8k is the one `captioner caption` uses with no --checkpoint)")
     p.add_argument("overrides", nargs="*", help="section.key=value for the cross-entropy run")
     return p
 

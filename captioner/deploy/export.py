@@ -16,6 +16,7 @@ compared with torch on inputs of two batch sizes before the export counts as don
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -154,9 +155,7 @@ def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], s
                    small: str | None) -> dict[str, float]:
     """Export and verify each graph into `stage` (`export_verified`), the decoder's weights stored as
     `small` rounded them (None: float32); each one's largest difference."""
-    def store(path: Path) -> None:
-        store_weights(path, small)
-
+    store = functools.partial(store_weights, precision=small)
     differences = {}
     for name, (module, reference, inputs, outputs) in graphs.items():
         path = stage / f"{name}.onnx"

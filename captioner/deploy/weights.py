@@ -96,7 +96,8 @@ def store_weights(path: Path, precision: str, min_size: int = MIN_SIZE, exact: b
         int8 = as_int8(w) if precision == "int8" and w is not None and w.ndim == 2 and w.size >= min_size else None
         if int8 is not None:
             q, scale = int8
-            kept += [numpy_helper.from_array(q, init.name + "_int8"), numpy_helper.from_array(scale, init.name + "_scale")]
+            kept += [numpy_helper.from_array(q, init.name + "_int8"),
+                     numpy_helper.from_array(scale, init.name + "_scale")]
             expand += [helper.make_node("Cast", [init.name + "_int8"], [init.name + "_q"], to=onnx.TensorProto.FLOAT),
                        helper.make_node("Mul", [init.name + "_q", init.name + "_scale"], [init.name])]
         elif (w is not None and w.size >= min_size
