@@ -147,3 +147,27 @@ def test_prepare_command_reports_bad_input_on_one_line(tmp_path, capsys):
     assert main(["prepare", "--data", str(tmp_path), "model.encoder.name=random"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "captions.txt:2:" in err
+
+
+def test_train_with_data_mirror_encodes_the_training_photos_flipped_once(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "data"
+    _records(data / "Images", 8)
+    rows = ["image,caption"] + [f'{i}.png,"A red circle on the left, number {i}."' for i in range(8) for _ in range(5)]
+    (data / "captions.txt").write_text("\n".join(rows))
+    monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path / "home"))
+    settings = ["model.encoder.name=random", "model.encoder.image_size=64", "data.val_fraction=0.25"]
+    assert main(["prepare", "--data", str(data), "--device", "cpu", *settings]) == 0  # the photos' own grids
+
+    from captioner.data import cache_build
+
+    encoded = []
+    real = cache_build._encode
+    monkeypatch.setattr(cache_build, "_encode", lambda *a, **k: encoded.append(len(a[5])) or real(*a, **k))
+    argv = ["train", "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cpu", *settings,
+            "data.mirror=true", "train.epochs=1", "train.amp=off", "model.decoder.feature_dim=8",
+            "decode.max_length=4"]
+    assert main(argv) == 0 and encoded == [6]  # the 6 training photos mirrored, nothing else
+    assert len(list((tmp_path / "home" / "features").iterdir())) == 2
+    capsys.readouterr()
+    assert main(["prepare", "--data", str(data), "--device", "cpu", *settings, "data.mirror=true"]) == 0
+    assert encoded == [6] and "mirrored training photos:" in capsys.readouterr().out  # found, not encoded again

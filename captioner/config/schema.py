@@ -90,6 +90,10 @@ class DataConfig(_Section):
     # the same grids to ~1e-5), else torch; "onnx" or "torch" to choose
     cache_runtime: Literal["auto", "torch", "onnx"] = "auto"
     augment: bool = False  # train-time augmentation; needs the images (no cache, or a fine-tuned encoder)
+    # train on each photo and its mirror image: the cache also holds every training photo's grid flipped left to
+    # right (a second cache folder, built once); a batch reads either view, the mirrored one's captions with
+    # "left" and "right" swapped
+    mirror: bool = False
     # object boxes of the training photos for train.box_weight: JSON lines {image, objects: [{words, boxes}]}
     # or a COCO instances JSON ("" = the data set's own, which only the built-in shapes have)
     boxes: str = ""
@@ -265,3 +269,9 @@ class Config(_Section):
         if self.data.augment and self.data.use_cache and self.model.encoder.trainable_stages == 0:
             raise ConfigError("config key 'data.augment': true has no effect with the feature cache of a frozen "
                               "encoder (set data.use_cache=false, or fine-tune with model.encoder.trainable_stages)")
+        if self.data.mirror and not (self.data.use_cache and self.model.encoder.trainable_stages == 0):
+            raise ConfigError("config key 'data.mirror': true needs the feature cache of a frozen encoder (with "
+                              "images, data.augment crops and recolours them instead)")
+        if self.data.mirror and self.train.box_weight:
+            raise ConfigError("config key 'data.mirror': true cannot go with train.box_weight (the boxes are not "
+                              "mirrored)")

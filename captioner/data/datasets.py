@@ -3,7 +3,10 @@
 
 Inputs are either cached features, (L, D) float32 per image (from a `FeatureCache`), or images,
 (3, S, S) through a transform (no cache, e.g. when the encoder is fine-tuned). The five captions
-of an image share its one stored grid. `image_id` is the image's index in `dataset.records`.
+of an image share its one stored grid. `image_id` is the image's index in `dataset.records`. With a
+second cache of mirrored grids (`data.mirror`), each time a batch reads a training image it reads one of
+its two views at random (from the torch RNG, which `SeededItems` seeds), the captions of the mirrored
+view with "left" and "right" swapped.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch.utils.data import Dataset
 
 from captioner.data.cache import FeatureCache
 from captioner.data.images import load_image
+from captioner.data.mirror import mirror_ids
 from captioner.data.records import Record
 from captioner.data.vocab import Vocabulary
 
@@ -82,21 +86,33 @@ class _ImageInputs(Dataset):
     def load_input(self, image_id: int) -> Tensor:
         """(L, D) float32 cached features, or (3, S, S) transformed image."""
         if self.cache is not None:
-            return torch.from_numpy(np.asarray(self.cache.get_row(self._rows[image_id]), dtype=np.float32))
+            return _features(self.cache, self._rows[image_id])
         return self.transform(load_image(self.records[image_id].image))  # type: ignore[misc]
+
+
+def _features(cache: FeatureCache, row: int) -> Tensor:
+    return torch.from_numpy(np.asarray(cache.get_row(row), dtype=np.float32))  # (L, D)
 
 
 class CaptionDataset(_ImageInputs):
     """One item per (image, caption): `CaptionItem(inputs, tokens, image_id)`."""
 
     def __init__(self, records: Sequence[Record], vocab: Vocabulary, max_length: int = 20,
-                 cache: FeatureCache | None = None, transform: Transform | None = None) -> None:
+                 cache: FeatureCache | None = None, transform: Transform | None = None,
+                 mirror: FeatureCache | None = None) -> None:
         """Args:
             records: images with captions; images not in `cache` (or missing files) are dropped.
             vocab: encodes captions as [<start>, w1..wn, <end>] with n <= max_length.
             cache: cached grids; when None, images are decoded and passed through `transform`.
+            mirror: the grids of the mirrored photos (`captioner.data.mirror`), beside `cache`: an
+                image is then read in either view with even odds (an image missing there, in its own).
         """
         super().__init__(records, cache, transform)
+        if mirror is not None and cache is None:
+            raise ValueError("mirrored grids come beside a feature cache")
+        self.mirror = mirror
+        self._mirror_rows = [mirror.row(r.image) for r in self.records] if mirror is not None else []
+        self._mirror_ids = mirror_ids(vocab)  # (V,) word id -> its id in the mirror image's caption
         encoded = [(i, vocab.encode(c, max_length)) for i, r in enumerate(self.records) for c in r.captions]
         # one flat array + offsets: compact, and cheap to send to DataLoader workers
         self._image_of = np.array([i for i, _ in encoded], dtype=np.int64)
@@ -116,24 +132,36 @@ class CaptionDataset(_ImageInputs):
         """The length in tokens of every item's encoded caption (`<start>`, words, `<end>`), in item order."""
         return np.diff(self._offsets).tolist()
 
-    def _tokens_of(self, i: int) -> Tensor:
-        return torch.from_numpy(self._tokens[self._offsets[i]: self._offsets[i + 1]].copy())  # (T_i,)
+    def _tokens_of(self, i: int, mirrored: bool = False) -> Tensor:
+        tokens = self._tokens[self._offsets[i]: self._offsets[i + 1]]  # (T_i,)
+        return torch.from_numpy(self._mirror_ids[tokens] if mirrored else tokens.copy())
+
+    def _view(self, image_id: int) -> tuple[Tensor, bool]:
+        """The image's input in one of its views, and whether it is the mirrored one (one torch draw
+        per call when there are mirrored grids, none otherwise)."""
+        if self.mirror is not None and bool(torch.rand(()) < 0.5):
+            row = self._mirror_rows[image_id]
+            if row is not None:
+                return _features(self.mirror, row), True
+        return self.load_input(image_id), False
 
     def __getitem__(self, i: int) -> CaptionItem:
         image_id = int(self._image_of[i])
-        return CaptionItem(self.load_input(image_id), self._tokens_of(i), image_id)
+        inputs, mirrored = self._view(image_id)
+        return CaptionItem(inputs, self._tokens_of(i, mirrored), image_id)
 
     def __getitems__(self, indices: Sequence[int]) -> list[CaptionItem]:
         """A batch's items, each distinct image read (or decoded and transformed) once and shared by
         its captions. The DataLoader calls this in place of `__getitem__` per index: an image's
         captions share a batch (`train.group_by_image`), so this reads ~5x fewer grids or JPEGs."""
-        inputs: dict[int, Tensor] = {}
+        views: dict[int, tuple[Tensor, bool]] = {}  # image_id -> its input and whether it is mirrored
         items = []
         for i in indices:
             image_id = int(self._image_of[i])
-            if image_id not in inputs:
-                inputs[image_id] = self.load_input(image_id)
-            items.append(CaptionItem(inputs[image_id], self._tokens_of(i), image_id))
+            if image_id not in views:
+                views[image_id] = self._view(image_id)
+            inputs, mirrored = views[image_id]
+            items.append(CaptionItem(inputs, self._tokens_of(i, mirrored), image_id))
         return items
 
 

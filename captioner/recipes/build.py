@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from captioner.data.boxes import Boxes, read_boxes
 from captioner.data.cache import cache_dir_of
 from captioner.data.cache_build import build_cache
 from captioner.data.datasets import CaptionDataset, ImageDataset
+from captioner.data.mirror import Mirrored
 from captioner.data.order import EpochBatchSampler, SeededItems
 from captioner.data.records import Record, fingerprint, split_records
 from captioner.data.sources import load_records
@@ -191,15 +193,19 @@ class Data:
 def build_data(cfg: Config, splits: Splits, vocab: Vocabulary, encoder: Encoder, device: torch.device,
                dist: DistInfo) -> Data:
     """The training captions and validation images. With a frozen encoder and `data.use_cache`, rank 0
-    fills the feature cache and every rank reads grids from it; otherwise images."""
+    fills the feature cache (and with `data.mirror` that of the mirrored training photos) and every rank
+    reads grids from it; otherwise images."""
     data, tc = cfg.data, cfg.train
     if encoder.frozen and data.use_cache:
+        coder = cache_encoder(encoder, device, data.cache_runtime)
+        fill = partial(build_cache, cache_dir=cache_dir_of(data), batch_size=tc.batch_size, device=device,
+                       num_workers=data.num_workers, progress=dist.is_main and sys.stderr.isatty())
         with main_first():  # rank 0 fills the cache; the others then find every image cached
-            cache = build_cache(splits.train + splits.val, cache_encoder(encoder, device, data.cache_runtime),
-                                cache_dir_of(data), batch_size=tc.batch_size, device=device,
-                                num_workers=data.num_workers, progress=dist.is_main and sys.stderr.isatty()).cache
-        captions = CaptionDataset(splits.train, vocab, data.max_length, cache=cache)
-        result = Data(captions, captions, ImageDataset(splits.val, cache=cache), True)
+            cache = fill(splits.train + splits.val, coder).cache
+            mirror = fill(splits.train, Mirrored(coder)).cache if data.mirror else None  # the photos flipped
+        captions = CaptionDataset(splits.train, vocab, data.max_length, cache=cache, mirror=mirror)
+        result = Data(captions, SeededItems(captions, tc.seed) if data.mirror else captions,
+                      ImageDataset(splits.val, cache=cache), True)
     else:
         captions = CaptionDataset(splits.train, vocab, data.max_length, transform=encoder.transform(train=data.augment))
         result = Data(captions, SeededItems(captions, tc.seed) if data.augment else captions,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from captioner.config import DataConfig, EncoderConfig
 from captioner.data.cache import cache_dir_of
 from captioner.data.cache_build import build_cache
+from captioner.data.mirror import Mirrored
 from captioner.data.records import SPLITS, SourceError
 from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
@@ -40,7 +42,8 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, device: str | torch.de
             image_root: str | Path | None = None, batch_size: int = 32, progress: bool = True) -> PrepareSummary:
     """Load records, count the vocabulary of the train split (as `captioner train` will) and, with a
     frozen encoder and `data.use_cache`, fill the feature cache for every split (in `data.cache_dir`,
-    default `$CAPTIONER_CACHE/features`, where `captioner train` finds it). Raises CaptionerError for
+    default `$CAPTIONER_CACHE/features`, where `captioner train` finds it), and with `data.mirror` that of
+    the mirrored training photos. Raises CaptionerError for
     bad input."""
     records = load_records(data, image_root)
     train_captions = [c for r in records if r.split == "train" for c in r.captions]
@@ -54,10 +57,14 @@ def prepare(data: DataConfig, encoder_cfg: EncoderConfig, device: str | torch.de
     elif encoder_cfg.trainable_stages > 0:
         summary.notes.append("feature cache not used: the encoder is fine-tuned (model.encoder.trainable_stages > 0)")
     else:
-        encoder = build_encoder(encoder_cfg, pretrained=True)
-        result = build_cache(records, cache_encoder(encoder, device, data.cache_runtime), cache_dir_of(data),
-                             batch_size=batch_size, device=device,
-                             num_workers=data.num_workers, progress=progress)
+        encoder = cache_encoder(build_encoder(encoder_cfg, pretrained=True), device, data.cache_runtime)
+        fill = partial(build_cache, cache_dir=cache_dir_of(data), batch_size=batch_size, device=device,
+                       num_workers=data.num_workers, progress=progress)
+        result = fill(records, encoder)
+        if data.mirror:  # the training photos flipped, as `captioner train` reads them
+            mirror = fill([r for r in records if r.split == "train"], Mirrored(encoder))
+            summary.notes.append(f"mirrored training photos: {mirror.cache.folder} "
+                                 f"({mirror.cache.nbytes / 2**20:.1f} MB, {mirror.built} encoded now)")
         bad = {p for p, _ in result.skipped}
         usable = [r for r in records if r.image not in bad]
         summary.skipped = result.skipped
