@@ -109,11 +109,13 @@ def test_the_views_follow_the_seed_and_epoch_so_a_resumed_run_reads_the_same(tmp
     assert not all(torch.equal(a, b) for a, b in zip(first + first, others))
 
 
-def test_mirror_needs_the_cache_of_a_frozen_encoder_and_no_box_targets():
+def test_mirror_needs_the_cache_of_a_frozen_encoder_cross_entropy_and_no_box_targets():
     assert load_config("shapes", ["data.mirror=true"]).data.mirror
     with pytest.raises(ConfigError, match="data.mirror"):
         load_config("shapes", ["data.mirror=true", "data.use_cache=false"])
     with pytest.raises(ConfigError, match="data.mirror"):
         load_config("shapes", ["data.mirror=true", "model.encoder.trainable_stages=1"])
+    with pytest.raises(ConfigError, match="data.mirror.*cross-entropy only"):
+        load_config("flickr8k-scst", ["data.mirror=true", "train.init=run/best.pt"])
     with pytest.raises(ConfigError, match="data.mirror.*box_weight"):
         load_config("shapes", ["data.mirror=true", "train.box_weight=1.0"])

@@ -272,6 +272,9 @@ class Config(_Section):
         if self.data.mirror and not (self.data.use_cache and self.model.encoder.trainable_stages == 0):
             raise ConfigError("config key 'data.mirror': true needs the feature cache of a frozen encoder (with "
                               "images, data.augment crops and recolours them instead)")
+        if self.data.mirror and self.train.objective == "scst":
+            raise ConfigError("config key 'data.mirror': true trains cross-entropy only (self-critical training "
+                              "reads the photos' own grids)")
         if self.data.mirror and self.train.box_weight:
             raise ConfigError("config key 'data.mirror': true cannot go with train.box_weight (the boxes are not "
                               "mirrored)")
