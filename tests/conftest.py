@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.decoding.captioner import Captioner
+from servers import sharp_checkpoint
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads
@@ -37,6 +40,17 @@ def single_process(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sharp_checkpoint_file(tmp_path_factory):
+    """The server tests' tiny checkpoint with sharp attention (tests/servers.py), one per module."""
+    return sharp_checkpoint(tmp_path_factory.mktemp("serve") / "sharp.pt")
+
+
+@pytest.fixture(scope="module")
+def sharp_captioner(sharp_checkpoint_file) -> Captioner:
+    return Captioner.from_checkpoint(sharp_checkpoint_file, device="cpu")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

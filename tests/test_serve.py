@@ -15,22 +15,10 @@ from captioner.serve.app import Limits, create_app
 from captioner.serve.batcher import Batcher, Options
 from captioner.serve.page import examples_for
 
-from servers import sharp_checkpoint
-
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return sharp_checkpoint(tmp_path_factory.mktemp("serve") / "sharp.pt")
-
-
-@pytest.fixture(scope="module")
-def captioner(checkpoint):
-    return Captioner.from_checkpoint(checkpoint, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def client(captioner):
-    app = create_app(captioner, "sharp.pt", Limits(max_bytes=200_000, max_pixels=1_000_000), max_batch=8,
+def client(sharp_captioner):
+    app = create_app(sharp_captioner, "sharp.pt", Limits(max_bytes=200_000, max_pixels=1_000_000), max_batch=8,
                      max_delay_ms=20, examples=examples_for("shapes"))
     with TestClient(app) as c:
         yield c
@@ -49,18 +37,18 @@ def _flat(size) -> bytes:
     return buffer.getvalue()
 
 
-def test_an_answer_is_the_caption_json_with_maps_that_sum_to_one(client, captioner):
+def test_an_answer_is_the_caption_json_with_maps_that_sum_to_one(client, sharp_captioner):
     r = client.post("/api/caption?alternatives=2", files={"image": ("photo.png", _png(), "image/png")})
     assert r.status_code == 200, r.text
     body = r.json()
-    (expected,) = captioner.caption([PIL.Image.open(io.BytesIO(_png()))], alternatives=2)
+    (expected,) = sharp_captioner.caption([PIL.Image.open(io.BytesIO(_png()))], alternatives=2)
     assert body["caption"] == expected.text and body["tokens"] == expected.tokens
     assert body["score"] == pytest.approx(expected.score)
     T, (rows, cols) = len(body["tokens"]), body["grid"]
     attention = np.asarray(body["attention"])
     assert attention.shape == (T, rows, cols) == (T, 4, 4)
     np.testing.assert_allclose(attention.sum(axis=(1, 2)), 1.0, atol=1e-5)
-    assert body["cells"] == captioner.model.encoder.cells._asdict() and body["image_size"] == [96, 72]
+    assert body["cells"] == sharp_captioner.model.encoder.cells._asdict() and body["image_size"] == [96, 72]
     assert [f["peak"] for f in body["focus"]] == pytest.approx(attention.max(axis=(1, 2)).tolist())
     assert all(0.0 <= f["spread"] <= 1.0 for f in body["focus"])
     alternatives = body["alternatives"]
@@ -122,8 +110,8 @@ def test_a_form_without_an_image_field_is_422(client):
 TEXT = "a red circle above a blue square"
 
 
-def test_text_answers_where_the_model_looks_for_the_given_words(client, captioner):
-    (expected,) = captioner.caption([PIL.Image.open(io.BytesIO(_png(4)))], text=TEXT)
+def test_text_answers_where_the_model_looks_for_the_given_words(client, sharp_captioner):
+    (expected,) = sharp_captioner.caption([PIL.Image.open(io.BytesIO(_png(4)))], text=TEXT)
     query = client.post("/api/caption", params={"text": TEXT}, content=_png(4))
     form = client.post("/api/caption", files={"image": ("p.png", _png(4), "image/png")}, data={"text": TEXT})
     for r in (query, form):
@@ -137,13 +125,13 @@ def test_text_answers_where_the_model_looks_for_the_given_words(client, captione
         np.testing.assert_allclose(attention.sum(axis=(1, 2)), 1.0, atol=1e-5)
         assert len(body["focus"]) == len(body["tokens"])
     searched = client.post("/api/caption", params={"text": "  "}, content=_png(4)).json()  # blank: the search
-    assert "word_logprobs" not in searched and searched["caption"] == captioner.caption(
+    assert "word_logprobs" not in searched and searched["caption"] == sharp_captioner.caption(
         [PIL.Image.open(io.BytesIO(_png(4)))])[0].text
 
 
-def test_words_the_model_does_not_know_are_422_with_the_captioners_sentence(client, captioner, caplog):
+def test_words_the_model_does_not_know_are_422_with_the_captioners_sentence(client, sharp_captioner, caplog):
     with pytest.raises(CaptionerError) as known:
-        captioner.caption([PIL.Image.new("RGB", (8, 8))], text="a red zebra")
+        sharp_captioner.caption([PIL.Image.new("RGB", (8, 8))], text="a red zebra")
     r = client.post("/api/caption", params={"text": "a red zebra"}, content=_png())
     assert r.status_code == 422 and r.json() == {"error": str(known.value)} and "zebra" in r.json()["error"]
     assert not [rec for rec in caplog.records if rec.levelname == "ERROR"]  # the client's mistake: no traceback
@@ -187,10 +175,10 @@ def test_visualize_draws_the_png(client):
     assert PIL.Image.open(io.BytesIO(r.content)).size[0] > 300
 
 
-def test_concurrent_requests_are_all_answered_correctly_and_batched(checkpoint, captioner):
-    app = create_app(captioner, "sharp.pt", max_batch=8, max_delay_ms=50)
+def test_concurrent_requests_are_all_answered_correctly_and_batched(sharp_checkpoint_file, sharp_captioner):
+    app = create_app(sharp_captioner, "sharp.pt", max_batch=8, max_delay_ms=50)
     images = [_png(seed) for seed in range(24)]
-    expected = [c.text for c in captioner.caption([PIL.Image.open(io.BytesIO(b)) for b in images])]
+    expected = [c.text for c in sharp_captioner.caption([PIL.Image.open(io.BytesIO(b)) for b in images])]
     answers: dict[int, str] = {}
     with TestClient(app) as client:
         def ask(i: int) -> None:
@@ -207,17 +195,17 @@ def test_concurrent_requests_are_all_answered_correctly_and_batched(checkpoint, 
     assert stats["images"] == 24 and stats["batches"] < 24 and 1 < stats["largest"] <= 8
 
 
-def test_the_batcher_groups_by_options_and_keeps_order(captioner):
+def test_the_batcher_groups_by_options_and_keeps_order(sharp_captioner):
     images = [PIL.Image.open(io.BytesIO(_png(seed))) for seed in range(6)]
-    with Batcher(captioner, max_batch=6, max_delay_ms=100) as batcher:
+    with Batcher(sharp_captioner, max_batch=6, max_delay_ms=100) as batcher:
         futures = [batcher.submit(im, Options(beam_size=1 + i % 2, max_length=6)) for i, im in enumerate(images)]
         got = [f.result(timeout=30).text for f in futures]
     assert batcher.stats.batches == 2 and batcher.stats.images == 6
     for i, im in enumerate(images):
-        assert got[i] == captioner.caption([im], beam_size=1 + i % 2, max_length=6)[0].text
+        assert got[i] == sharp_captioner.caption([im], beam_size=1 + i % 2, max_length=6)[0].text
     with pytest.raises(RuntimeError, match="closed"):
         batcher.submit(images[0], Options(1, 6))
-    with Batcher(captioner, max_batch=6, max_delay_ms=100) as batcher:  # two texts and a search: three groups
+    with Batcher(sharp_captioner, max_batch=6, max_delay_ms=100) as batcher:  # two texts and a search: three groups
         texts = ["a red circle", None, "there is a purple square"]
         futures = [batcher.submit(im, Options(3, 6, text=texts[i % 3])) for i, im in enumerate(images)]
         got = [f.result(timeout=30) for f in futures]
@@ -227,33 +215,33 @@ def test_the_batcher_groups_by_options_and_keeps_order(captioner):
             assert caption.tokens == texts[i % 3].split() and len(caption.word_logprobs) == len(caption.tokens)
         else:
             assert caption.word_logprobs is None
-            assert caption.text == captioner.caption([images[i]], max_length=6)[0].text
+            assert caption.text == sharp_captioner.caption([images[i]], max_length=6)[0].text
 
 
-def test_a_busy_port_is_one_line_before_the_model_loads(checkpoint, capsys):
+def test_a_busy_port_is_one_line_before_the_model_loads(sharp_checkpoint_file, capsys):
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        code = main(["serve", "--checkpoint", str(checkpoint), "--port", str(port)])
+        code = main(["serve", "--checkpoint", str(sharp_checkpoint_file), "--port", str(port)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"captioner: error: 127.0.0.1:{port}: cannot listen there")
     assert "\n" not in err
 
 
-def test_caption_json_matches_the_cli(checkpoint, tmp_path, capsys, client):
+def test_caption_json_matches_the_cli(sharp_checkpoint_file, tmp_path, capsys, client):
     path = tmp_path / "photo.png"
     path.write_bytes(_png(3))
-    assert main(["caption", str(path), "--checkpoint", str(checkpoint), "--json", "--device", "cpu"]) == 0
+    assert main(["caption", str(path), "--checkpoint", str(sharp_checkpoint_file), "--json", "--device", "cpu"]) == 0
     cli = json.loads(capsys.readouterr().out)
     api = client.post("/api/caption", content=_png(3)).json()
     for key in ("caption", "tokens", "score", "logprob", "finished", "attention", "cells"):
         assert api[key] == cli[key], key
 
 
-def test_a_large_jpeg_reaches_the_model_as_the_cli_reads_it(client, checkpoint, tmp_path, monkeypatch, capsys):
+def test_a_large_jpeg_reaches_the_model_as_the_cli_reads_it(client, sharp_checkpoint_file, tmp_path, monkeypatch, capsys):
     """`caption FILE` decodes a large JPEG at a reduced scale (draft mode); `visualize FILE` and an
     upload of the same file must give the model those same pixels, so all three write one caption."""
     photo = tmp_path / "large.jpg"
@@ -261,8 +249,8 @@ def test_a_large_jpeg_reaches_the_model_as_the_cli_reads_it(client, checkpoint, 
     seen: list[tuple[int, int]] = []
     preprocess = Captioner.preprocess
     monkeypatch.setattr(Captioner, "preprocess", lambda self, image: seen.append(image.size) or preprocess(self, image))
-    assert main(["caption", str(photo), "--checkpoint", str(checkpoint), "--device", "cpu"]) == 0
-    assert main(["visualize", str(photo), "--checkpoint", str(checkpoint), "--device", "cpu",
+    assert main(["caption", str(photo), "--checkpoint", str(sharp_checkpoint_file), "--device", "cpu"]) == 0
+    assert main(["visualize", str(photo), "--checkpoint", str(sharp_checkpoint_file), "--device", "cpu",
                  "-o", str(tmp_path / "v.png")]) == 0
     r = client.post("/api/caption", files={"image": ("large.jpg", photo.read_bytes(), "image/jpeg")})
     assert r.status_code == 200, r.text

@@ -21,22 +21,12 @@ from captioner.serve.app import create_app
 from captioner.serve.batcher import Options
 from captioner.serve.page import examples_for
 
-from servers import Server, sharp_checkpoint
+from servers import Server
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return sharp_checkpoint(tmp_path_factory.mktemp("serve") / "sharp.pt")
-
-
-@pytest.fixture(scope="module")
-def captioner(checkpoint):
-    return Captioner.from_checkpoint(checkpoint, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def client(captioner):
-    with TestClient(create_app(captioner, "sharp.pt")) as c:
+def client(sharp_captioner):
+    with TestClient(create_app(sharp_captioner, "sharp.pt")) as c:
         yield c
 
 
@@ -69,8 +59,8 @@ class _FailingModel(Captioner):
     ("model", "the model failed on this image (RuntimeError)"),
     ("request", "the server failed on this request (RuntimeError); its log has the details"),
 ])
-def test_a_failure_is_a_json_500_and_the_server_goes_on(captioner, where, message):
-    app = create_app(_FailingModel(captioner, where), "failing.pt")
+def test_a_failure_is_a_json_500_and_the_server_goes_on(sharp_captioner, where, message):
+    app = create_app(_FailingModel(sharp_captioner, where), "failing.pt")
     with TestClient(app, raise_server_exceptions=False) as client:
         r = client.post("/api/caption", content=_png())
         assert r.status_code == 500 and r.headers["content-type"] == "application/json"
@@ -85,13 +75,13 @@ def test_unknown_paths_and_methods_are_json_too(client):
     assert r.status_code == 405 and r.json() == {"error": "Method Not Allowed"}
 
 
-def test_the_model_and_its_batcher_live_on_app_state_for_the_lifespan(captioner):
-    app = create_app(captioner, "sharp.pt")
+def test_the_model_and_its_batcher_live_on_app_state_for_the_lifespan(sharp_captioner):
+    app = create_app(sharp_captioner, "sharp.pt")
     outside = TestClient(app)  # no lifespan: nothing served yet
     assert outside.get("/api/health").json() == {"status": "starting"}
     assert outside.get("/api/model").status_code == 503
     with TestClient(app) as client:
-        assert app.state.captioner is captioner and app.state.batcher.stats.images == 0
+        assert app.state.captioner is sharp_captioner and app.state.batcher.stats.images == 0
         assert client.post("/api/caption", content=_png()).status_code == 200
         batcher = app.state.batcher
     assert app.state.batcher is None and app.state.captioner is None
@@ -119,7 +109,7 @@ def test_the_docs_show_the_caption_schema(client):
     assert script.endswith("swagger-ui-bundle.js") and client.get(script).status_code == 200
 
 
-def test_examples_suit_the_model(checkpoint, captioner, tmp_path):
+def test_examples_suit_the_model(sharp_checkpoint_file, sharp_captioner, tmp_path):
     assert examples_for("shapes").keys() == {"one-shape.png", "side-by-side.png", "three-shapes.png", "two-shapes.png"}
     assert examples_for("/data/flickr8k") == {}  # a photo model is offered no drawn shapes
     (tmp_path / "dog.jpg").write_bytes(b"jpeg")
@@ -127,17 +117,17 @@ def test_examples_suit_the_model(checkpoint, captioner, tmp_path):
     assert examples_for("/data/flickr8k", tmp_path) == {"dog.jpg": tmp_path / "dog.jpg"}
 
     photo = tmp_path / "photo.pt"  # the sharp model, as if trained on photos
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = load_checkpoint(sharp_checkpoint_file)
     save_checkpoint(photo, dataclasses.replace(ckpt.config, data=DataConfig(path="/data/flickr8k")), ckpt.vocab,
                     ckpt.model_state)
     parser = build_parser()
-    assert serve_cli._examples(parser.parse_args(["serve", "--checkpoint", str(checkpoint)])).keys() == \
+    assert serve_cli._examples(parser.parse_args(["serve", "--checkpoint", str(sharp_checkpoint_file)])).keys() == \
         examples_for("shapes").keys()
     assert serve_cli._examples(parser.parse_args(["serve", "--checkpoint", str(photo)])) == {}
     assert serve_cli._examples(parser.parse_args(["serve", "--checkpoint", str(photo), "--examples", str(tmp_path)])) \
         == {"dog.jpg": tmp_path / "dog.jpg"}
 
-    with TestClient(create_app(captioner, "photo.pt", examples=examples_for("/data/flickr8k", tmp_path))) as client:
+    with TestClient(create_app(sharp_captioner, "photo.pt", examples=examples_for("/data/flickr8k", tmp_path))) as client:
         assert client.get("/api/model").json()["examples"] == ["dog.jpg"]
         assert client.get("/examples/dog.jpg").content == b"jpeg"
         for name in ("notes.txt", "two-shapes.png", "..%2Fnotes.txt"):  # only the files listed at start
@@ -145,10 +135,10 @@ def test_examples_suit_the_model(checkpoint, captioner, tmp_path):
             assert r.status_code == 404 and r.headers["content-type"] == "application/json", name
 
 
-def test_a_client_that_goes_away_mid_upload_is_one_log_line(checkpoint):
+def test_a_client_that_goes_away_mid_upload_is_one_log_line(sharp_checkpoint_file):
     """Through uvicorn as a user runs it: a raw socket sends headers promising 100 kB, half of them, and
     closes; the server logs one line (no traceback) and goes on answering."""
-    server = Server(checkpoint)
+    server = Server(sharp_checkpoint_file)
     try:
         host, port = server.url.split("//")[1].rstrip("/").split(":")
         with socket.create_connection((host, int(port))) as sock:
@@ -164,7 +154,7 @@ def test_a_client_that_goes_away_mid_upload_is_one_log_line(checkpoint):
     assert len(log) == 2 and "went away during its upload to /api/caption" in log[0], log
 
 
-def test_examples_must_be_a_folder(checkpoint, tmp_path, capsys):
-    code = main(["serve", "--checkpoint", str(checkpoint), "--examples", str(tmp_path / "none")])
+def test_examples_must_be_a_folder(sharp_checkpoint_file, tmp_path, capsys):
+    code = main(["serve", "--checkpoint", str(sharp_checkpoint_file), "--examples", str(tmp_path / "none")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == f"captioner: error: --examples {tmp_path / 'none'}: not a folder"
