@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from captioner.decoding.captioner import Captioner
+
+from exports import DECODERS, exported_once
 from servers import sharp_checkpoint
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -51,6 +53,18 @@ def sharp_checkpoint_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sharp_captioner(sharp_checkpoint_file) -> Captioner:
     return Captioner.from_checkpoint(sharp_checkpoint_file, device="cpu")
+
+
+@pytest.fixture(params=list(DECODERS))
+def each_exported(request, tmp_path_factory):
+    """(checkpoint, export report) of each decoder layout and a two-scale encoder grid, each exported once."""
+    return exported_once(tmp_path_factory, request.param)
+
+
+@pytest.fixture
+def exported(tmp_path_factory):
+    """(checkpoint, export report) of the demo's decoder layout, exported once."""
+    return exported_once(tmp_path_factory, "after-none")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

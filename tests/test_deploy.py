@@ -22,61 +22,17 @@ pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip 
 from captioner.deploy.export import export_onnx  # noqa: E402
 from captioner.deploy.runtime import onnx_captioner  # noqa: E402
 
-CAPTIONS = ["a red circle to the left of a blue square", "a green triangle above a yellow circle",
-            "there is a purple square"]
+from exports import CAPTIONS, exported_once, random_images, tiny_checkpoint  # noqa: E402
+
 SHARED = Path(__file__).resolve().parents[2] / "shared/data/flickr8k-800/Images"
-
-
-def _checkpoint(path: Path, two_scale: bool = False, **decoder) -> Path:
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(encoder=EncoderConfig(name="random", image_size=64, two_scale=two_scale),
-                            decoder=DecoderConfig(embed_dim=16, hidden_dim=32, attention_dim=16, dropout=0.0, **decoder))
-    vocab = build_vocabulary(CAPTIONS)
-    model = build_model(model_cfg, len(vocab), pretrained=False)
-    with torch.no_grad():
-        model.decoder.readout.weight.mul_(4.0)  # peaked word distributions: no near-ties
-        model.decoder.attention.score.weight.mul_(20.0)  # maps with something to compare
-    return save_checkpoint(path, Config(model=model_cfg, decode=DecodeConfig(beam_size=3, max_length=8)), vocab,
-                           model.state_dict())
-
-
-def _images(n: int = 6) -> list[PIL.Image.Image]:
-    rng = np.random.default_rng(0)
-    return [PIL.Image.fromarray(rng.integers(0, 256, (48 + 8 * i, 64, 3), dtype=np.uint8)) for i in range(n)]
-
-
-DECODERS = {"after-none": {"attend": "after", "init_pooling": "none"},
-            "before-mean": {"attend": "before", "init_pooling": "mean", "position": False},
-            "two-scale-grid": {"attend": "after", "init_pooling": "mean", "two_scale": True}}
-_EXPORTS: dict[str, tuple] = {}
-
-
-def _exported(tmp_path_factory, name: str):
-    if name not in _EXPORTS:
-        folder = tmp_path_factory.mktemp("onnx")
-        checkpoint = _checkpoint(folder / "tiny.pt", **DECODERS[name])
-        _EXPORTS[name] = checkpoint, export_onnx(checkpoint, folder / "export")
-    return _EXPORTS[name]
-
-
-@pytest.fixture(params=list(DECODERS))
-def each_exported(request, tmp_path_factory):
-    """Both decoder layouts and a two-scale encoder grid, each exported once."""
-    return _exported(tmp_path_factory, request.param)
-
-
-@pytest.fixture
-def exported(tmp_path_factory):
-    """The demo's decoder layout, exported once."""
-    return _exported(tmp_path_factory, "after-none")
 
 
 def test_onnx_runtime_captions_exactly_as_torch(each_exported):
     checkpoint, report = each_exported
     assert {p.name for p in report.files} == {"encoder.onnx", "memory.onnx", "step.onnx", "manifest.json"}
     assert max(report.differences.values()) < 1e-4
-    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(_images(), alternatives=2)
-    onnx_captions = onnx_captioner(report.folder).caption(_images(), alternatives=2)
+    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(random_images(), alternatives=2)
+    onnx_captions = onnx_captioner(report.folder).caption(random_images(), alternatives=2)
     for t, o in zip(torch_captions, onnx_captions):
         assert o.tokens == t.tokens and o.finished == t.finished and o.image_size == t.image_size
         assert o.score == pytest.approx(t.score, abs=1e-4) and o.cells == t.cells
@@ -89,15 +45,15 @@ def test_onnx_runtime_forces_a_given_caption_as_torch(each_exported, tmp_path, c
     log-probabilities and maps as the torch decoder; `--text` works with `--runtime onnx`."""
     checkpoint, report = each_exported
     text = "a blue square to the left of a red circle"
-    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(_images(3), text=text)
-    onnx_captions = onnx_captioner(report.folder).caption(_images(3), text=text)
+    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(random_images(3), text=text)
+    onnx_captions = onnx_captioner(report.folder).caption(random_images(3), text=text)
     for t, o in zip(torch_captions, onnx_captions):
         assert o.tokens == t.tokens == text.split() and o.finished
         np.testing.assert_allclose(o.word_logprobs, t.word_logprobs, atol=1e-4)
         assert o.logprob == pytest.approx(t.logprob, abs=1e-4) and o.score == pytest.approx(t.score, abs=1e-4)
         np.testing.assert_allclose(o.attention, t.attention, atol=1e-4)
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     assert main(["caption", str(image), "--checkpoint", str(report.folder), "--runtime", "onnx", "--text", text,
                  "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
@@ -108,10 +64,10 @@ def test_onnx_runtime_forces_a_given_caption_as_torch(each_exported, tmp_path, c
 def test_a_checkpoint_is_exported_once_into_the_cache(exported, monkeypatch, tmp_path):
     checkpoint, _ = exported
     monkeypatch.setenv("CAPTIONER_CACHE", str(tmp_path))
-    first = onnx_captioner(checkpoint).caption(_images(2))
+    first = onnx_captioner(checkpoint).caption(random_images(2))
     (folder,) = (tmp_path / "onnx").iterdir()
     stamp = (folder / "step.onnx").stat().st_mtime_ns
-    second = onnx_captioner(checkpoint).caption(_images(2))
+    second = onnx_captioner(checkpoint).caption(random_images(2))
     assert [c.tokens for c in first] == [c.tokens for c in second]
     assert (folder / "step.onnx").stat().st_mtime_ns == stamp
 
@@ -119,7 +75,7 @@ def test_a_checkpoint_is_exported_once_into_the_cache(exported, monkeypatch, tmp
 def test_cli_export_then_caption_with_the_onnx_runtime(exported, tmp_path, capsys):
     checkpoint, _ = exported
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     assert main(["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "out")]) == 0
     assert "largest difference from torch" in capsys.readouterr().out
     assert main(["caption", str(image), "--checkpoint", str(tmp_path / "out"), "--runtime", "onnx", "--json"]) == 0
@@ -136,7 +92,7 @@ def test_an_export_records_the_decode_defaults_it_is_given(exported, tmp_path, c
     A bad value is refused before anything is written."""
     checkpoint, _ = exported
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     out = tmp_path / "greedy"
     assert main(["export", "--checkpoint", str(checkpoint), "-o", str(out), "--beam", "1",
                  "--length-penalty", "0.5"]) == 0
@@ -180,7 +136,7 @@ def test_bad_export_folders_and_settings_are_one_line(exported, tmp_path):
     (broken / "manifest.json").write_text((report.folder / "manifest.json").read_text())
     with pytest.raises(FormatError, match=r"broken: not an export folder .*encoder.onnx, memory.onnx, step.onnx missing"):
         onnx_captioner(broken)
-    pooled = _checkpoint(tmp_path / "pooled.pt", init_pooling="attention")
+    pooled = tiny_checkpoint(tmp_path / "pooled.pt", init_pooling="attention")
     with pytest.raises(FormatError, match="init_pooling 'attention' is not exported yet"):
         export_onnx(pooled, tmp_path / "pooled")
 
@@ -239,7 +195,7 @@ def test_the_feature_cache_filled_by_onnx_runtime_matches_torch(tmp_path):
     onnx_encoder = cache_encoder(encoder, "cpu", "onnx")
     assert isinstance(onnx_encoder, OnnxGridEncoder) and onnx_encoder.cache_key() == encoder.cache_key()
     records = []
-    for i, image in enumerate(_images(5)):
+    for i, image in enumerate(random_images(5)):
         image.save(tmp_path / f"{i}.png")
         records.append(Record(tmp_path / f"{i}.png", ["a caption"], "train"))
     by_torch = build_cache(records, encoder, tmp_path / "torch").cache
@@ -251,7 +207,7 @@ def test_the_feature_cache_filled_by_onnx_runtime_matches_torch(tmp_path):
 def _photos(folder: Path, n: int = 8) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"photo{i}.png" for i in range(n)]
-    for image, path in zip(_images(n), paths):
+    for image, path in zip(random_images(n), paths):
         image.save(path)
     return [str(p) for p in paths]
 
@@ -269,7 +225,7 @@ def test_an_int8_export_quantizes_the_encoder_and_captions_with_it(exported, tmp
     assert 0 < report.encoder_difference < 0.5 and encoder["calibration"]["relative_difference"] == pytest.approx(
         report.encoder_difference, abs=1e-4)
     assert json.loads((fp32.folder / "manifest.json").read_text())["encoder"]["precision"] == "float32"
-    captions = onnx_captioner(report.folder).caption(_images(3))
+    captions = onnx_captioner(report.folder).caption(random_images(3))
     assert all(c.tokens and c.finished is not None for c in captions)
     for c in captions:
         assert c.attention.reshape(len(c.tokens), -1).sum(-1) == pytest.approx(np.ones(len(c.tokens)), abs=1e-4)
@@ -288,7 +244,7 @@ def test_a_float16_export_stores_the_encoder_weights_in_half_and_captions_as_flo
     encoder = json.loads((out / "manifest.json").read_text())["encoder"]
     assert encoder["encoder_weights"] == "float16" and 0 < encoder["relative_difference"] < 0.01
     assert encoder["precision"] == "float32"  # computed in float32: the weights are cast back when loaded
-    for half, full in zip(onnx_captioner(out).caption(_images()), onnx_captioner(fp32.folder).caption(_images())):
+    for half, full in zip(onnx_captioner(out).caption(random_images()), onnx_captioner(fp32.folder).caption(random_images())):
         assert half.tokens == full.tokens
         np.testing.assert_allclose(half.attention, full.attention, atol=0.02)
     assert main(["export", "--checkpoint", str(checkpoint), "-o", str(tmp_path / "no"), "--quantize", "float16",
@@ -299,10 +255,11 @@ def test_a_float16_export_stores_the_encoder_weights_in_half_and_captions_as_flo
 
 def test_a_two_scale_encoder_quantizes_to_int8(tmp_path_factory, tmp_path):
     """The two-scale grid's upsampling must be a graph ONNX Runtime's quantization tools can follow."""
-    checkpoint, _ = _exported(tmp_path_factory, "two-scale-grid")
+    checkpoint, _ = exported_once(tmp_path_factory, "two-scale-grid")
     report = export_onnx(checkpoint, tmp_path / "int8", int8_calibration=_photos(tmp_path / "calibration"))
-    (caption,) = onnx_captioner(report.folder).caption(_images(1))
+    (caption,) = onnx_captioner(report.folder).caption(random_images(1))
     assert 0 < report.encoder_difference < 0.5 and caption.attention.shape[1:] == (8, 8)
+
 
 def test_an_int8_encoder_too_far_from_float32_is_refused_and_the_folder_left_as_it_was(exported, tmp_path, capsys,
                                                                                       monkeypatch):
@@ -416,7 +373,7 @@ def test_a_small_export_stores_the_decoder_rounded_and_captions_as_its_rounded_w
     from captioner.deploy.weights import round_weights
     from captioner.model.checkpoint import load_checkpoint, restore_model
 
-    checkpoint = _checkpoint(tmp_path / "tiny.pt", attend="after", global_context=True, concepts=True)
+    checkpoint = tiny_checkpoint(tmp_path / "tiny.pt", attend="after", global_context=True, concepts=True)
     full = export_onnx(checkpoint, tmp_path / "full")
     small = export_onnx(checkpoint, tmp_path / "small", small=precision)
     assert max(small.differences.values()) < 1e-4
@@ -432,7 +389,7 @@ def test_a_small_export_stores_the_decoder_rounded_and_captions_as_its_rounded_w
     gru = model.decoder.cell.weight_ih.detach()
     assert torch.equal(gru, gru.half().float())  # the recurrent weights in float16 (int8: the others)
     rounded = Captioner(model, ckpt.vocab, ckpt.config.decode, "cpu")
-    for t, o in zip(rounded.caption(_images()), onnx_captioner(small.folder).caption(_images())):
+    for t, o in zip(rounded.caption(random_images()), onnx_captioner(small.folder).caption(random_images())):
         assert o.tokens == t.tokens and o.score == pytest.approx(t.score, abs=1e-4)
         np.testing.assert_allclose(o.attention, t.attention, atol=1e-4)
 

@@ -23,11 +23,11 @@ from captioner.model.decoder import AttentionDecoder
 from captioner.model.encoder import eval_transform
 
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed (pip install -e .[dev])")
-from test_deploy import CAPTIONS, DECODERS, _exported, _images  # noqa: E402
-
 from captioner.deploy.graphs import Preprocess  # noqa: E402
 from captioner.deploy.lite import lite_captioner  # noqa: E402
 from captioner.deploy.runtime import onnx_captioner  # noqa: E402
+
+from exports import CAPTIONS, random_images  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "torchvision", "timm")
@@ -56,16 +56,6 @@ def _heavy_imported(result: subprocess.CompletedProcess) -> list[str]:
     return json.loads(result.stderr.strip().splitlines()[-1])
 
 
-@pytest.fixture(params=list(DECODERS))
-def each_exported(request, tmp_path_factory):
-    return _exported(tmp_path_factory, request.param)
-
-
-@pytest.fixture
-def exported(tmp_path_factory):
-    return _exported(tmp_path_factory, "after-none")
-
-
 def _assert_same(lite, reference, atol=1e-5):
     assert lite.tokens == reference.tokens and lite.text == reference.text
     assert lite.finished == reference.finished and lite.image_size == reference.image_size
@@ -84,7 +74,7 @@ def _assert_same(lite, reference, atol=1e-5):
 def test_captions_scores_and_maps_equal_the_torch_driven_runtime(each_exported, settings):
     _, report = each_exported
     alternatives = settings["beam_size"] - 1
-    images = _images(6)
+    images = random_images(6)
     reference = onnx_captioner(report.folder).caption(images, batch_size=4, alternatives=alternatives, **settings)
     lite = lite_captioner(report.folder).caption(images, batch_size=4, alternatives=alternatives, **settings)
     assert len(lite) == len(reference) == 6
@@ -99,7 +89,7 @@ def test_captions_scores_and_maps_equal_the_torch_driven_runtime(each_exported, 
 def test_files_skip_unreadable_ones_as_the_torch_driven_runtime_does(exported, tmp_path):
     _, report = exported
     paths = []
-    for i, image in enumerate(_images(5)):
+    for i, image in enumerate(random_images(5)):
         paths.append(tmp_path / f"{i}.png")
         image.save(paths[-1])
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
@@ -210,7 +200,7 @@ def test_word_blocking_equals_the_torch_blocking():
 def test_the_cli_captions_an_export_without_importing_torch(exported, tmp_path):
     _, report = exported
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     out = _cli("caption", str(image), "--runtime", "onnx", "--checkpoint", str(report.folder), "--json",
                "--beam", "3", "--no-repeat-ngram", "2")
     assert out.returncode == 0, out.stderr
@@ -225,7 +215,7 @@ def test_the_cli_captions_an_export_without_importing_torch(exported, tmp_path):
 def test_no_checkpoint_uses_the_bundled_model_and_else_says_to_pass_one(exported, tmp_path):
     _, report = exported
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     bundled = _cli("caption", str(image), bundled=report.folder)
     assert bundled.returncode == 0, bundled.stderr
     assert _heavy_imported(bundled) == []
@@ -243,7 +233,7 @@ def test_visualize_without_a_checkpoint_draws_the_bundled_models_maps(exported, 
     is refused in one line before anything loads."""
     _, report = exported
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     picture = tmp_path / "maps.png"
     drawn = _cli("visualize", str(image), "-o", str(picture), bundled=report.folder)
     assert drawn.returncode == 0, drawn.stderr
@@ -268,7 +258,7 @@ def test_a_damaged_export_is_one_line(exported, tmp_path):
         lite_captioner(damaged)
     (damaged / "manifest.json").write_text((report.folder / "manifest.json").read_text())
     (damaged / "step.onnx").write_bytes(b"garbage")
-    _images(1)[0].save(tmp_path / "photo.png")
+    random_images(1)[0].save(tmp_path / "photo.png")
     out = _cli("caption", str(tmp_path / "photo.png"), "--runtime", "onnx", "--checkpoint", str(damaged))
     assert out.returncode == 2 and out.stdout == ""
     (error, _) = out.stderr.strip().splitlines()
@@ -277,7 +267,7 @@ def test_a_damaged_export_is_one_line(exported, tmp_path):
 
 def test_a_given_text_is_forced_as_the_torch_driven_runtime_forces_it(each_exported, tmp_path):
     _, report = each_exported
-    images, text = _images(4), "a red circle to the left of a blue square"
+    images, text = random_images(4), "a red circle to the left of a blue square"
     want = onnx_captioner(report.folder).caption(images, batch_size=3, text=text, length_penalty=0.5)
     got = lite_captioner(report.folder).caption(images, batch_size=3, text=text, length_penalty=0.5)
     assert len({c.logprob for c in want}) == 4  # each image scores the words its own way
@@ -297,20 +287,20 @@ def test_bad_texts_and_settings_are_refused_as_the_captioner_refuses_them(export
     _, report = exported
     lite = lite_captioner(report.folder)
     with pytest.raises(TextError, match=r"^text: 'zebra' not in the model's vocabulary"):
-        lite.caption(_images(1), text="a red zebra")
+        lite.caption(random_images(1), text="a red zebra")
     with pytest.raises(ValueError, match="a caption given as text has none"):
-        lite.caption(_images(1), text="a red circle", alternatives=1)
+        lite.caption(random_images(1), text="a red circle", alternatives=1)
     with pytest.raises(TypeError, match="unknown decode setting"):
-        lite.caption(_images(1), beam=3)
+        lite.caption(random_images(1), beam=3)
     with pytest.raises(ValueError, match="alternatives 3"):
-        lite.caption(_images(1), alternatives=3, beam_size=3)
+        lite.caption(random_images(1), alternatives=3, beam_size=3)
     assert lite.decode == DecodeConfig(beam_size=3, max_length=8)
 
 
 def test_visualize_runs_on_the_lite_runtime(exported, tmp_path, capsys):
     _, report = exported
     image = tmp_path / "photo.png"
-    _images(1)[0].save(image)
+    random_images(1)[0].save(image)
     assert main(["visualize", str(image), "--runtime", "onnx", "--checkpoint", str(report.folder),
                  "-o", str(tmp_path / "map.png")]) == 0
     (line, _) = capsys.readouterr().out.splitlines()[:2]
@@ -332,7 +322,7 @@ def test_serve_without_a_checkpoint_serves_the_bundled_model_on_the_lite_runtime
         assert found, line + server.stdout.read()
         assert found.group(1) == str(report.folder)
         photo = tmp_path / "photo.png"
-        _images(1)[0].save(photo)
+        random_images(1)[0].save(photo)
         request = urllib.request.Request(f"{found.group(2)}api/caption?beam=3", data=photo.read_bytes(),
                                          headers={"Content-Type": "image/png"})
         with urllib.request.urlopen(request, timeout=60) as response:

@@ -22,11 +22,11 @@ def _bundle_a_model(package: Path) -> None:
     except ImportError:
         return
     from captioner.deploy.export import export_onnx
-    from test_deploy import _checkpoint
+    from exports import tiny_checkpoint
 
     folder = package / "models" / "flickr8k"
     shutil.rmtree(folder, ignore_errors=True)  # the real one, if this checkout holds it: the tiny one is enough
-    export_onnx(_checkpoint(package.parent / "tiny.pt"), folder)
+    export_onnx(tiny_checkpoint(package.parent / "tiny.pt"), folder)
 
 
 @pytest.fixture(scope="module")
