@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         minutes["xent"] = stage("cross-entropy", CAPTIONER + commands["xent"], env, out / "xent.log") / 60
     if args.scst_config and not (scst / "best.pt").exists():
         minutes["scst"] = stage("scst", CAPTIONER + commands["scst"], env, out / "scst.log") / 60
-    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
     decode = load_config(args.config).decode
     decoding = decode_flags(decode)
     rows = {}
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "--data", str(data), "--boxes", str(data / "boxes-dev.jsonl"),
                                                 "--out", str(report), *decoding], env, out / f"evaluate-{run.name}.log")
         rows[name] = row(json.loads(report.read_text()))
-    print_table(rows, minutes, peak_gb)
+    print_table(rows, minutes, peak_gib)
     if args.bundle and rows:
         best = max(rows, key=lambda name: rows[name]["CIDEr"])
         run = {"cross-entropy": xent, "SCST": scst}[best]
@@ -191,7 +191,7 @@ BLEU-1/4 0.67/0.195, METEOR 0.189; hard attention 0.67/0.213, METEOR 0.203.
 """)
 
 
-def print_table(rows: dict[str, dict[str, float]], minutes: dict[str, float], peak_gb: float) -> None:
+def print_table(rows: dict[str, dict[str, float]], minutes: dict[str, float], peak_gib: float) -> None:
     print("\nFlickr8k dev (970 photos; grounding over the object words of the hand-boxed dev photos)")
     head = ["B-1", "B-2", "B-3", "B-4", "METEOR", "ROUGE-L", "CIDEr-D", "words", "hit", "centre", "mass", "even"]
     print(f"{'model':<15}" + "".join(f"{h:>9}" for h in head))
@@ -202,7 +202,7 @@ def print_table(rows: dict[str, dict[str, float]], minutes: dict[str, float], pe
         print(f"{name:<15}" + "".join(cells))
     if minutes:
         spent = ", ".join(f"{k} {v:.1f}" for k, v in minutes.items())
-        print(f"minutes: {spent}; total {sum(minutes.values()):.1f}; peak RSS of a stage {peak_gb:.2f} GB")
+        print(f"minutes: {spent}; total {sum(minutes.values()):.1f}; peak RSS of a stage {peak_gib:.2f} GiB")
 
 
 if __name__ == "__main__":
