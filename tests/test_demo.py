@@ -17,11 +17,14 @@ README_MARKER = "`make demo` ends like this"
 # `centre` and `even` columns are the baselines on the same words).
 GROUNDING_TARGET = 0.95
 
-# How far a number the README shows may be from the one the demo prints: 1% of it, or one unit of
-# its last printed digit, whichever is more. One machine prints the same digits every run; another
-# CPU may round the last one differently, while a README left behind by a change of the model is
-# off by more (CIDEr-D 5.61 against 5.77 is 2.8%).
-RELATIVE = 0.01
+# How far a number the README shows may be from the one the demo prints: 5% of it, or one unit of
+# its last printed digit, whichever is more. One machine prints the same digits every run, but another
+# CPU kind sums in another order and 1,000 steps carry that into other weights: on a Xeon with AMX
+# (2026-12-05) BLEU-4 0.9713 against the README's 0.9830 (1.2%), CIDEr-D 5.80 against 5.69 (2.0%),
+# METEOR 2.5%, a colour's hit rate one word of 41 (2.4%), two objects on their own cells 3.7%, and
+# another example caption. So the example caption's words may differ, and a README left behind by a
+# change of the model is caught when it moves a figure by more than that spread.
+RELATIVE = 0.05
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -56,6 +59,10 @@ def mismatch(shown: str, printed: str) -> str | None:
     return None
 
 
+def is_caption(line: str) -> bool:
+    return line.strip().startswith("caption:")
+
+
 def compare_with_readme(block: list[str], printed: list[str]) -> list[str]:
     """Every difference between the README's block and what the demo printed, one line each.
     The README's block is the end of the demo's output, line for line; METEOR is left out when this
@@ -67,8 +74,12 @@ def compare_with_readme(block: list[str], printed: list[str]) -> list[str]:
     if start is None:
         return [f"the README's first line {block[:1]} is not in the demo's output"]
     printed = printed[start:]
+    # the trained demo model's example caption may say other words on another CPU kind (above); the
+    # bundled model's captions after "real photos" come from fixed weights and must match
+    bundled = next((i for i, line in enumerate(block) if line.startswith("real photos")), len(block))
     problems = [f"README: {shown!r}\n  demo: {line!r}\n  ({why})"
-                for shown, line in zip(block, printed) if (why := mismatch(shown, line))]
+                for i, (shown, line) in enumerate(zip(block, printed))
+                if not (i < bundled and is_caption(shown) and is_caption(line)) and (why := mismatch(shown, line))]
     if len(block) != len(printed):
         problems.append(f"the README shows {len(block)} lines, the demo printed {len(printed)} from there")
     return problems
@@ -108,13 +119,17 @@ def test_the_readme_comparison_catches_a_stale_number():
     printed = ["held-out shapes test split, 100 images:", "metric       score", "CIDEr-D     5.7700",
                "  all                     392  0.956   0.083  0.796  0.062", "  caption: a red circle"]
     assert compare_with_readme(printed[1:], printed) == []
-    assert compare_with_readme(["CIDEr-D     5.7800", printed[-2], printed[-1]], printed) == []  # within 1%
+    assert compare_with_readme(["CIDEr-D     5.6000", printed[-2], printed[-1]], printed) == []  # within 5%
     assert compare_with_readme(["CIDEr-D     5.7700", "  all                     392  0.957   0.083  0.796  0.062",
                                 printed[-1]], printed) == []  # the last digit
-    stale = compare_with_readme(["CIDEr-D     5.6069", printed[-2], printed[-1]], printed)
-    assert len(stale) == 1 and "5.6069 is not 5.7700" in stale[0]
-    assert compare_with_readme(["  all                     392  0.941   0.083  0.796  0.062", printed[-1]], printed)
-    assert compare_with_readme(["  caption: a blue circle"], printed)  # other words
+    stale = compare_with_readme(["CIDEr-D     5.4069", printed[-2], printed[-1]], printed)
+    assert len(stale) == 1 and "5.4069 is not 5.7700" in stale[0]
+    assert compare_with_readme(["  all                     392  0.901   0.083  0.796  0.062", printed[-1]], printed)
+    assert compare_with_readme(["  all                     392  0.956   0.083  0.796  0.062", "  caption: a blue circle"],
+                               printed) == []  # the trained model's example may say other words on another CPU
+    bundled = ["real photos, captioned by the bundled Flickr8k model (no training):", "  caption: a dog runs"]
+    assert compare_with_readme(bundled, bundled) == []
+    assert compare_with_readme([bundled[0], "  caption: a dog sits"], bundled)  # the bundled model's words
     assert compare_with_readme(printed[1:-1], printed)  # a line missing at the end
     assert compare_with_readme(["~/.cache/captioner/shapes-0-1000/images/00019.png"],
                                ["/tmp/x/cache/shapes-0-1000/images/00019.png"]) == []  # where it lies
