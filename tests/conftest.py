@@ -8,16 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from captioner.decoding.captioner import Captioner
+
+from exports import DECODERS, exported_once
+from servers import sharp_checkpoint
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = _threads
     torch.set_num_threads(int(_threads))
-
-# the project's modules only once the threads are set: the demo's numbers (test_demo.py) depend on them
-from captioner.decoding.captioner import Captioner  # noqa: E402
-
-from exports import DECODERS, exported_once  # noqa: E402
-from servers import sharp_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
