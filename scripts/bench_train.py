@@ -104,7 +104,7 @@ def flops_per_caption(model, loader, criterion: Criterion, batches: int = 20) ->
     return counter.get_total_flops() / captions
 
 
-def amp_compare(model, batches: list, tc: TrainConfig, repeats: int = 3) -> dict[str, float]:
+def amp_compare(model, batches: list, tc: TrainConfig, criterion: Criterion, repeats: int = 3) -> dict[str, float]:
     """Captions/s of cached steps in float32 and under bf16 autocast, interleaved (best of `repeats`)."""
     best = {"float32": 0.0, "bf16": 0.0}
     for _ in range(repeats):
@@ -113,7 +113,7 @@ def amp_compare(model, batches: list, tc: TrainConfig, repeats: int = 3) -> dict
             optimizer = torch.optim.AdamW(decoder.parameters(), lr=tc.lr, fused=True)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             scaler = torch.amp.GradScaler("cpu", enabled=False)
-            objective = CrossEntropy(decoder, tc, build_criterion(tc), torch.device("cpu"), dtype)
+            objective = CrossEntropy(decoder, tc, criterion, torch.device("cpu"), dtype)
             optimize(objective.loss(batches[0]).loss.total, optimizer, scheduler, scaler)
             tick = time.perf_counter()
             for b in batches:
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                   build_criterion(tc, vocab, enc.name)) * a.captions
         amp = None
         if args.amp:
-            batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 4))
-            amp = amp_compare(model, batches, tc)
+            batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 16))
+            amp = amp_compare(model, batches, tc, build_criterion(tc, vocab, enc.name))
 
     peak = matmul_peak()
     peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
