@@ -278,7 +278,7 @@ def test_cells_are_placed_where_their_receptive_fields_are_centred(name, size):
     print(f"{name} at {size} px: cell ({r}, {c}) looks at {measured}, nominal centre {nominal:.1f}")
 
 
-@pytest.mark.parametrize("name, size", [("random", 64), ("efficientnet_lite0", 768)])
+@pytest.mark.parametrize("name, size", [("random", 64), ("efficientnet_lite0", 768), ("efficientnet_lite2", 256)])
 def test_two_scale_cells_are_placed_where_the_finer_stage_looks(name, size):
     """The two-scale grid's cells are the finer stage's: measured on that stage's own layers."""
     enc = build_encoder(EncoderConfig(name=name, image_size=size, two_scale=True), pretrained=False)
@@ -301,7 +301,7 @@ def enc_fine_stage(name: str) -> str:
 # --- two scales: the finer stage's grid with the last stage's features beside it ---------------
 
 
-@pytest.mark.parametrize("name, size", [("random", 64), ("efficientnet_lite0", 256)])
+@pytest.mark.parametrize("name, size", [("random", 64), ("efficientnet_lite0", 256), ("efficientnet_lite2", 256)])
 def test_two_scale_grid_is_twice_as_fine_and_ends_with_the_last_stage(name, size):
     one = build_encoder(EncoderConfig(name=name, image_size=size), pretrained=False).eval()
     two = build_encoder(EncoderConfig(name=name, image_size=size, two_scale=True), pretrained=False).eval()
