@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on a tiny set (their numbers are not checked: they time this
-machine). A script nothing runs breaks silently: bench_train.py crashed on a config it was written for, and its --amp row on any config with a word detector."""
+machine). A script nothing runs breaks silently: bench_train.py crashed on a config it was written for,
+and its --amp row on any config with a word detector."""
 from scripts_under_test import load_script
 
 
