@@ -186,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.model.decoder.concepts:
             a_all = epoch(loader(cached_set, tc.group_by_image), dataclasses.replace(tc, concept_negatives=-1))
         b = epoch(loader(image_set, False), cached=False)
-        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image),
-                                  build_criterion(tc, vocab, enc.name)) * a.captions
+        criterion = build_criterion(tc, vocab, enc.name)
+        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), criterion) * a.captions
         amp = None
         if args.amp:
             batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 16))
-            amp = amp_compare(model, batches, tc, build_criterion(tc, vocab, enc.name))
+            amp = amp_compare(model, batches, tc, criterion)
 
     peak = matmul_peak()
     peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
