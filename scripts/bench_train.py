@@ -16,7 +16,7 @@ steps a batch runs either way: its longest caption's scored tokens); with a word
 every step instead of the batch's words and `train.concept_negatives` others.
 Printed: captions/s of each and the ratio (a)/(b), tokens/s, peak RSS, the achieved GFLOP/s of (a)
 (FLOPs counted with FlopCounterMode over its first batches: matmuls, convolutions) next to this
-machine's matmul peak, and, with --amp, float32 vs bf16 autocast for the cached steps.
+machine's matmul peak. (Float32 against bf16 autocast: scripts/bench_amp.py, on whole training runs.)
 The one-time cache build is timed separately.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.model import build_model
 from captioner.device import autocast_dtype
-from captioner.training.loop import optimize, train_one_epoch
+from captioner.training.loop import train_one_epoch
 from captioner.training.loss import Criterion, build_criterion
 from captioner.training.objective import CrossEntropy
 from captioner.training.optim import build_optimizer
@@ -104,25 +104,6 @@ def flops_per_caption(model, loader, criterion: Criterion, batches: int = 20) ->
     return counter.get_total_flops() / captions
 
 
-def amp_compare(model, batches: list, tc: TrainConfig, criterion: Criterion, repeats: int = 3) -> dict[str, float]:
-    """Captions/s of cached steps in float32 and under bf16 autocast, interleaved (best of `repeats`)."""
-    best = {"float32": 0.0, "bf16": 0.0}
-    for _ in range(repeats):
-        for name, dtype in (("float32", None), ("bf16", torch.bfloat16)):
-            decoder = copy.deepcopy(model.decoder).train()
-            optimizer = torch.optim.AdamW(decoder.parameters(), lr=tc.lr, fused=True)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            scaler = torch.amp.GradScaler("cpu", enabled=False)
-            objective = CrossEntropy(decoder, tc, criterion, torch.device("cpu"), dtype)
-            optimize(objective.loss(batches[0]).loss.total, optimizer, scheduler, scaler)
-            tick = time.perf_counter()
-            for b in batches:
-                optimize(objective.loss(b).loss.total, optimizer, scheduler, scaler)
-            captions = sum(len(b.lengths) for b in batches)
-            best[name] = max(best[name], captions / (time.perf_counter() - tick))
-    return best
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "flickr8k-800.yaml"))
@@ -131,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=0, help="default: the config's train.batch_size")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers for both ways")
     p.add_argument("--cache-dir", default="", help="feature cache folder (default: a temporary one)")
-    p.add_argument("--amp", action="store_true", help="also compare float32 with bf16 autocast (cached steps)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
@@ -188,10 +168,6 @@ def main(argv: list[str] | None = None) -> int:
         b = epoch(loader(image_set, False), cached=False)
         criterion = build_criterion(tc, vocab, enc.name)
         flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), criterion) * a.captions
-        amp = None
-        if args.amp:
-            batches = list(itertools.islice(loader(cached_set, tc.group_by_image), 16))
-            amp = amp_compare(model, batches, tc, criterion)
 
     peak = matmul_peak()
     peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
@@ -215,9 +191,6 @@ def main(argv: list[str] | None = None) -> int:
           f"matmuls only) vs fp32 matmul peak {peak:.1f} GFLOP/s ({100 * achieved / peak:.0f}%)"
           + (f", bf16 matmul peak {peak_bf16:.1f} GFLOP/s ({100 * achieved / peak_bf16:.0f}%)" if peak_bf16 else ""))
     print(f"peak RSS: {rss_mb:,.0f} MB")
-    if amp is not None:
-        print(f"cached steps, float32: {amp['float32']:.1f} captions/s; bf16 autocast: {amp['bf16']:.1f} captions/s "
-              f"({amp['bf16'] / amp['float32']:.2f}x)")
     return 0
 
 
