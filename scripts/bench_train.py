@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.model.decoder.concepts:
             a_all = epoch(loader(cached_set, tc.group_by_image), dataclasses.replace(tc, concept_negatives=-1))
         b = epoch(loader(image_set, False), cached=False)
-        criterion = build_criterion(tc, vocab, enc.name)
-        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image), criterion) * a.captions
+        flops = flops_per_caption(model, loader(cached_set, tc.group_by_image),
+                                  build_criterion(tc, vocab, enc.name)) * a.captions
 
     peak = matmul_peak()
     peak_bf16 = matmul_peak(dtype=torch.bfloat16) if amp_dtype == torch.bfloat16 else None
