@@ -39,8 +39,24 @@ class BahdanauAttention(nn.Module):
         """(B, L, D) features -> (B, L, A) keys `W1 · features`."""
         return self.key_proj(features)
 
+    def weights(self, keys: Tensor, hidden: Tensor) -> Tensor:
+        """One decoding step's map.
+
+        Args:
+            keys: (B, L, A) from `keys(features)`.
+            hidden: (B, H) decoder state.
+        Returns:
+            alpha (B, L) float32, summing to 1.
+        """
+        query = self.query_proj(hidden).unsqueeze(1)  # (B, 1, A)
+        # v·tanh(x) = 2·v·sigmoid(2x) - sum(v), and softmax ignores the constant: these are the weights
+        # of softmax(v·tanh(x)). On CPUs torch's sigmoid is ~5x faster than its tanh, and this (B, L, A)
+        # nonlinearity is the costliest elementwise op of a decoder step (scripts/bench_train.py).
+        scores = 2 * self.score(torch.sigmoid((keys + query).mul_(2))).squeeze(-1)  # (B, L)
+        return softmax_float32(scores)  # (B, L) float32
+
     def forward(self, keys: Tensor, features: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """One decoding step of attention.
+        """One decoding step of attention: `weights`, and the context they read.
 
         Args:
             keys: (B, L, A) from `keys(features)`.
@@ -49,12 +65,7 @@ class BahdanauAttention(nn.Module):
         Returns:
             context (B, D) in the features' dtype and alpha (B, L) float32, summing to 1.
         """
-        query = self.query_proj(hidden).unsqueeze(1)  # (B, 1, A)
-        # v·tanh(x) = 2·v·sigmoid(2x) - sum(v), and softmax ignores the constant: these are the weights
-        # of softmax(v·tanh(x)). On CPUs torch's sigmoid is ~5x faster than its tanh, and this (B, L, A)
-        # nonlinearity is the costliest elementwise op of a decoder step (scripts/bench_train.py).
-        scores = 2 * self.score(torch.sigmoid((keys + query).mul_(2))).squeeze(-1)  # (B, L)
-        alpha = softmax_float32(scores)  # (B, L) float32
+        alpha = self.weights(keys, hidden)  # (B, L)
         context = torch.bmm(alpha.to(features.dtype).unsqueeze(1), features).squeeze(1)  # (B, 1, L) @ (B, L, D) -> (B, D)
         return context, alpha
 

@@ -163,7 +163,8 @@ class AttentionDecoder(nn.Module):
             hidden = self.cell(torch.cat([emb, previous, *scene], dim=-1), hidden)  # (B, E + D [+ D]) -> (B, H)
         else:
             hidden = state  # (B, H)
-        context, alpha = self.attention(memory.keys, memory.features, hidden)  # (B, D), (B, L)
+        alpha = self.attention.weights(memory.keys, hidden)  # (B, L)
+        context = memory.read(alpha)  # (B, D)
         if self.gate is not None:
             context = torch.sigmoid(self.gate(hidden)) * context  # (B, D)
         if self.attend_after:
