@@ -1,6 +1,7 @@
 import torch
 
 from captioner.model.attention import AttentionPool, BahdanauAttention
+from captioner.model.memory import Memory
 
 B, L, D, H, A = 3, 10, 16, 12, 8
 
@@ -12,7 +13,9 @@ def _inputs(regions: int = L):
 def test_alpha_sums_to_one_and_the_context_is_the_weighted_mean():
     attn = BahdanauAttention(D, H, A)
     features, hidden = _inputs()
-    context, alpha = attn(attn.keys(features), features, hidden)
+    keys = attn.keys(features)
+    alpha = attn(keys, hidden)
+    context = Memory(features, keys).read(alpha)
     assert context.shape == (B, D) and alpha.shape == (B, L)
     torch.testing.assert_close(alpha.sum(-1), torch.ones(B))
     torch.testing.assert_close(context, (alpha.unsqueeze(-1) * features).sum(1))
@@ -21,7 +24,7 @@ def test_alpha_sums_to_one_and_the_context_is_the_weighted_mean():
 def test_precomputed_keys_equal_per_step_formula():
     attn = BahdanauAttention(D, H, A)
     features, hidden = _inputs()
-    _, alpha = attn(attn.keys(features), features, hidden)
+    alpha = attn(attn.keys(features), hidden)
     # e = v . tanh(W1 f + W2 h), written out directly
     e = attn.score(torch.tanh(attn.key_proj(features) + attn.query_proj(hidden)[:, None])).squeeze(-1)
     torch.testing.assert_close(alpha, torch.softmax(e, -1))
@@ -33,7 +36,8 @@ def test_softmax_runs_in_float32_under_bfloat16():
     attn = BahdanauAttention(D, H, A).to(torch.bfloat16)
     features, hidden = (x.bfloat16() for x in _inputs(225))  # a 15x15 grid
     keys = attn.keys(features)
-    context, alpha = attn(keys, features, hidden)
+    alpha = attn(keys, hidden)
+    context = Memory(features, keys).read(alpha)
     assert alpha.dtype == torch.float32 and context.dtype == torch.bfloat16
     torch.testing.assert_close(alpha.sum(-1), torch.ones(B), atol=1e-6, rtol=0)
     query = attn.query_proj(hidden).unsqueeze(1)

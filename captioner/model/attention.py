@@ -27,7 +27,7 @@ def softmax_float32(scores: Tensor) -> Tensor:
 
 
 class BahdanauAttention(nn.Module):
-    """Additive attention: `keys(features)` once per image, then `forward(keys, features, h)` per step."""
+    """Additive attention: `keys(features)` once per image, then `forward(keys, h)` per step -> the map."""
 
     def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
         super().__init__()
@@ -39,8 +39,8 @@ class BahdanauAttention(nn.Module):
         """(B, L, D) features -> (B, L, A) keys `W1 · features`."""
         return self.key_proj(features)
 
-    def weights(self, keys: Tensor, hidden: Tensor) -> Tensor:
-        """One decoding step's map.
+    def forward(self, keys: Tensor, hidden: Tensor) -> Tensor:
+        """One decoding step's map (the context it reads: `Memory.read`).
 
         Args:
             keys: (B, L, A) from `keys(features)`.
@@ -54,20 +54,6 @@ class BahdanauAttention(nn.Module):
         # nonlinearity is the costliest elementwise op of a decoder step (scripts/bench_train.py).
         scores = 2 * self.score(torch.sigmoid((keys + query).mul_(2))).squeeze(-1)  # (B, L)
         return softmax_float32(scores)  # (B, L) float32
-
-    def forward(self, keys: Tensor, features: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """One decoding step of attention: `weights`, and the context they read.
-
-        Args:
-            keys: (B, L, A) from `keys(features)`.
-            features: (B, L, D) the values.
-            hidden: (B, H) decoder state.
-        Returns:
-            context (B, D) in the features' dtype and alpha (B, L) float32, summing to 1.
-        """
-        alpha = self.weights(keys, hidden)  # (B, L)
-        context = torch.bmm(alpha.to(features.dtype).unsqueeze(1), features).squeeze(1)  # (B, 1, L) @ (B, L, D) -> (B, D)
-        return context, alpha
 
 
 class AttentionPool(nn.Module):

@@ -4,7 +4,7 @@ Shapes: B batch, L = H'·W' regions, D feature width, T tokens, V vocabulary,
 E embedding width, H hidden width, A attention width.
 
 Per step t, with previous word y and state h (attend "before", the default):
-    context, alpha = attention(keys, features, h)            # keys = W1·features, once per image
+    alpha = attention(keys, h); context = alpha · features    # keys = W1·features, once per image
     context = sigmoid(Linear(h)) * context                   # the gate beta (optional)
     h' = GRUCell([embed(y); context], h)
     logits = Linear(dropout([h'; context; embed(y)]))        # deep output
@@ -15,7 +15,7 @@ of the image comes through attention.
 With attend "after" the word is read before looking (the top-down order of Anderson et al. 2018),
 so the query knows which word was just written; the GRU reads the previous step's context c:
     h' = GRUCell([embed(y); c], h)
-    context, alpha = attention(keys, features, h')           # gated by sigmoid(Linear(h'))
+    alpha = attention(keys, h'); context = alpha · features   # gated by sigmoid(Linear(h'))
     logits = Linear(dropout([h'; context; embed(y)]))
 and the state carried between steps is [h'; context] (B, H + D), c = 0 at the first step.
 
@@ -163,7 +163,7 @@ class AttentionDecoder(nn.Module):
             hidden = self.cell(torch.cat([emb, previous, *scene], dim=-1), hidden)  # (B, E + D [+ D]) -> (B, H)
         else:
             hidden = state  # (B, H)
-        alpha = self.attention.weights(memory.keys, hidden)  # (B, L)
+        alpha = self.attention(memory.keys, hidden)  # (B, L)
         context = memory.read(alpha)  # (B, D)
         if self.gate is not None:
             context = torch.sigmoid(self.gate(hidden)) * context  # (B, D)
