@@ -74,20 +74,25 @@ def test_teacher_forced_forward_equals_stepping(attend, scene):
 
 
 @pytest.mark.parametrize("attend", ["before", "after"])
-def test_teacher_forced_gradients_equal_stepping(attend):
-    """The packed pass adds every step's gradient of the shared memory into one buffer (`_Heads`):
-    the gradients must be those of stepping the captions one by one."""
+@pytest.mark.parametrize("rows", [None, [1, 0, 1, 1]], ids=["an-image-each", "images-shared"])
+def test_teacher_forced_gradients_equal_stepping(attend, rows):
+    """The packed pass reads an image's features once for all its captions and adds every step's
+    gradient of the memory up once (`Memory.packed`): the gradients must be those of stepping the
+    captions one by one, each with its own copy of its image's memory."""
     cfg = dataclasses.replace(CFG, attend=attend, global_context=True, position=True)
     dec = AttentionDecoder(V, D, cfg, grid=GRID).eval()
     features, tokens, lengths = _batch()
+    if rows is not None:
+        rows, features = torch.tensor(rows), features[:2]  # captions 0, 2, 3 of image 1; 1 of image 0
     features.requires_grad_(True)
     weights = torch.randn(int(lengths.sum()), V)  # any loss that reads every position
-    out = dec(features, tokens, lengths)
+    out = dec(features, tokens, lengths, rows=rows)
     (out.logits * weights).sum().backward()
     packed = {n: p.grad.clone() for n, p in dec.named_parameters()}, features.grad.clone()
     dec.zero_grad()
     features.grad = None
     memory, total = dec.memory(features), 0.0
+    memory = memory if rows is None else memory.select(rows)
     hidden = dec.init_hidden(memory)
     rows = {(c, t): i for i, (c, t) in enumerate(zip(out.caption.tolist(), out.step.tolist()))}
     for t in range(tokens.size(1) - 1):

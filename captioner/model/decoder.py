@@ -190,7 +190,7 @@ class AttentionDecoder(nn.Module):
         """Teacher-forced pass over a batch of captions, packed (see `DecoderOutput`).
 
         The region projection and the keys run once per image, however many of its captions the
-        batch holds. The captions are sorted longest first, so at step t the captions still going
+        batch holds, and an image's captions read its features together (`Memory.packed`). The captions are sorted longest first, so at step t the captions still going
         are the first n_t rows and the step runs on those alone: padding costs nothing.
 
         Args:
@@ -212,10 +212,9 @@ class AttentionDecoder(nn.Module):
         sizes = (lengths[order].unsqueeze(1) > torch.arange(int(lengths.max()), device=lengths.device))
         sizes = sizes.sum(0).tolist()  # n_t: captions still going at step t, non-increasing
         image_memory = self.memory(features)  # (N, L, D), (N, L, A): once per image
-        memory = image_memory.select(rows[order])  # (B, L, D), (B, L, A)
         state = self.init_hidden(image_memory)[rows[order]]  # (B, H) or (B, H + D)
         emb_all = self.embedding(tokens[order, : len(sizes)])  # (B, T, E)
-        memories = memory.heads(sizes)  # per step t: (n_t, L, D), (n_t, L, A)
+        memories = image_memory.packed(rows[order], sizes)  # per step t: keys (n_t, L, A), the images' features
         hiddens, contexts, embs, alphas, step_logits = [], [], [], [], []
         for t, n in enumerate(sizes):
             emb = emb_all[:n, t]  # (n, E)
