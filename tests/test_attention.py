@@ -30,6 +30,27 @@ def test_precomputed_keys_equal_per_step_formula():
     torch.testing.assert_close(alpha, torch.softmax(e, -1))
 
 
+def test_gradients_are_those_of_the_tanh_formula():
+    """The scores' own backward (`_AdditiveScores`): every weight's and input's gradient must be what
+    autograd gives for softmax(v · tanh(W1 f + W2 h)) written out."""
+    torch.manual_seed(0)
+    attn = BahdanauAttention(D, H, A).double()
+    features, hidden = (x.double().requires_grad_(True) for x in _inputs())
+    weights = torch.randn(B, L, dtype=torch.float64)
+
+    def gradients(alpha_of):
+        attn.zero_grad()
+        features.grad = hidden.grad = None
+        (alpha_of() * weights).sum().backward()
+        return [features.grad.clone(), hidden.grad.clone()] + [p.grad.clone() for p in attn.parameters()]
+
+    fused = gradients(lambda: attn(attn.keys(features), hidden))
+    written = gradients(lambda: torch.softmax(attn.score(torch.tanh(
+        attn.key_proj(features) + attn.query_proj(hidden)[:, None])).squeeze(-1), -1))
+    for f, w in zip(fused, written):
+        torch.testing.assert_close(f, w)
+
+
 def test_softmax_runs_in_float32_under_bfloat16():
     """bf16 features and state (as under autocast): the weights come out of a float32 softmax, as
     float32, and sum to 1 to float32 precision; a bf16 softmax's sums are off by up to ~1e-2."""
@@ -40,8 +61,8 @@ def test_softmax_runs_in_float32_under_bfloat16():
     context = Memory(features, keys).read(alpha)
     assert alpha.dtype == torch.float32 and context.dtype == torch.bfloat16
     torch.testing.assert_close(alpha.sum(-1), torch.ones(B), atol=1e-6, rtol=0)
-    query = attn.query_proj(hidden).unsqueeze(1)
-    scores = 2 * attn.score(torch.sigmoid((keys + query).mul_(2))).squeeze(-1)  # the module's own bf16 scores
+    query = 2 * attn.query_proj(hidden).unsqueeze(1)
+    scores = 2 * attn.score(torch.sigmoid(keys + query)).squeeze(-1)  # the module's own bf16 scores
     torch.testing.assert_close(alpha, torch.softmax(scores.float(), -1), atol=1e-7, rtol=0)
     assert (torch.softmax(scores, -1).float().sum(-1) - 1).abs().max() > 1e-6  # what bf16 would give
 

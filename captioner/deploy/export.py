@@ -6,8 +6,8 @@
                    -> logits (R, V), alpha (R, L), state (R, S_h)                      one word
     manifest.json  vocabulary, decode defaults, grid and cell geometry, preprocessing, versions
 
-memory and step are the decoder rewritten for inference (`captioner.deploy.step`: token tables, keys
-doubled; their "keys" are 2·W1·features); step.onnx is compared with the training decoder's own step.
+memory and step are the decoder rewritten for inference (`captioner.deploy.step`: token tables; their
+"keys" are the decoder's, 2·W1·features); step.onnx is compared with the training decoder's own step.
 
 Every batch axis is dynamic. The project's beam search drives memory and step exactly as it drives
 the torch decoder (`captioner.deploy.runtime`). Each graph is checked with the ONNX checker and
@@ -47,14 +47,14 @@ HALF_TOLERANCE = 0.01  # largest relative difference of a float16 encoder's grid
 
 
 class _ReferenceStep(nn.Module):
-    """The training decoder's own step, on the graphs' inputs (2·keys): what step.onnx must match."""
+    """The training decoder's own step, on the graphs' inputs: what step.onnx must match."""
 
     def __init__(self, decoder: AttentionDecoder) -> None:
         super().__init__()
         self.decoder = decoder
 
-    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        out = self.decoder.step(tokens, state, Memory(features, keys2 / 2))
+    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out = self.decoder.step(tokens, state, Memory(features, keys))
         return out.logits, out.alpha, out.hidden
 
 
@@ -218,10 +218,10 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
         pixels = torch.randn(batch, 3, S, S, generator=generator)
         with torch.no_grad():
             grid = model.encoder(pixels)
-            features, keys2, state = memory(grid)
+            features, keys, state = memory(grid)
             state = state + 0.1 * torch.randn(state.shape, generator=generator)  # not only the start state
         tokens = torch.randint(4, len(ckpt.vocab), (batch,), generator=generator)
-        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys2)}
+        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys)}
 
     memory = InferenceMemory(dec)
     graphs = {  # name: (what is exported, what it must match, input names, output names)

@@ -70,7 +70,7 @@ class LiteDecoder:
         self.memory_session, self.step_session = memory, step
 
     def memory(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """grid (B, L, D_enc) -> features (B, L, D), 2·keys (B, L, A), initial state (B, S_h)."""
+        """grid (B, L, D_enc) -> features (B, L, D), keys (B, L, A) = 2·W1·features, initial state (B, S_h)."""
         features, keys, state = self.memory_session.run(None, {"grid": np.ascontiguousarray(grid, np.float32)})
         return features, keys, state
 

@@ -8,9 +8,9 @@ in the readout matmul and the attention's elementwise passes. Three exact rewrit
   take `W_ih[:, :E] · embed(y) + b_ih` from a (V, 3H) table, and the readout's embedding part
   `W_r[:, H+D:] · embed(y) + b_r` from a (V, V) table (built only while V <= READOUT_TABLE_MAX_VOCAB:
   V² floats; above it the readout multiplies the embedding as before).
-- Doubled keys. The attention weights are softmax(2·v·sigmoid(2·(keys + W2·h))) (see
-  `BahdanauAttention`); the memory graph hands out 2·keys and the step uses 2·W2 and 2·v, so one
-  elementwise pass over the (R, L, A) scores goes. Doubling is exact in floating point.
+- Doubled weights. The attention weights are softmax(2·v·sigmoid(keys + 2·W2·h)), the keys being
+  2·W1·features (see `BahdanauAttention`); the step stores 2·W2 and 2·v. Doubling is exact in
+  floating point.
 - The GRU cell written out (r, z, n gates as torch's GRUCell computes them), so its input half can
   start from the table.
 
@@ -33,7 +33,7 @@ def _frozen(x: Tensor) -> nn.Parameter:
 
 
 class InferenceMemory(nn.Module):
-    """grid (B, L, D_enc) -> features (B, L, D), 2·keys (B, L, A), initial state (B, S_h)."""
+    """grid (B, L, D_enc) -> features (B, L, D), keys (B, L, A) = 2·W1·features, initial state (B, S_h)."""
 
     def __init__(self, decoder: AttentionDecoder) -> None:
         super().__init__()
@@ -41,11 +41,11 @@ class InferenceMemory(nn.Module):
 
     def forward(self, grid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         memory = self.decoder.memory(grid)
-        return memory.features, 2 * memory.keys, self.decoder.init_hidden(memory)
+        return memory.features, memory.keys, self.decoder.init_hidden(memory)
 
 
 class InferenceStep(nn.Module):
-    """tokens (R,), state (R, S_h), features (R, L, D), 2·keys (R, L, A) -> logits (R, V),
+    """tokens (R,), state (R, S_h), features (R, L, D), keys (R, L, A) -> logits (R, V),
     alpha (R, L), new state (R, S_h): `AttentionDecoder.step` of an eval-mode decoder.
 
     `tables` False: no token tables (the embedding is multiplied as the decoder does), for a small
@@ -85,11 +85,11 @@ class InferenceStep(nn.Module):
                 self.embedding, self.w_r_token = _frozen(table), _frozen(w_r[:, -E:])  # (V, E), (V, E)
                 self.b_r = _frozen(d.readout.bias)  # (V,)
 
-    def _attend(self, hidden: Tensor, features: Tensor, keys2: Tensor) -> tuple[Tensor, Tensor]:
+    def _attend(self, hidden: Tensor, features: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         """(R, H) query -> gated context (R, D), alpha (R, L)."""
         query2 = (hidden @ self.query.T).unsqueeze(1)  # (R, 1, A): 2·W2·h
         # (R, L, A) @ (A, 1): ONNX Runtime's MatMul against a vector is ~8x slower than against a matrix
-        scores = (torch.sigmoid(keys2 + query2) @ self.score).squeeze(-1)  # (R, L): 2·v·sigmoid(2(keys + W2·h))
+        scores = (torch.sigmoid(keys + query2) @ self.score).squeeze(-1)  # (R, L): 2·v·sigmoid(keys + 2·W2·h)
         alpha = torch.softmax(scores, dim=-1)  # (R, L)
         context = torch.bmm(alpha.unsqueeze(1), features).squeeze(1)  # (R, D)
         if self.gated:
@@ -111,14 +111,14 @@ class InferenceStep(nn.Module):
         n = torch.tanh(x_n + r * h_n)
         return (1 - z) * n + z * hidden  # (R, H)
 
-    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, tokens: Tensor, state: Tensor, features: Tensor, keys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.attend_after:
             hidden, previous = state.split([self.hidden_dim, state.size(-1) - self.hidden_dim], -1)  # (R, H), (R, D)
             hidden = self._gru(tokens, previous, hidden, features)
-            context, alpha = self._attend(hidden, features, keys2)
+            context, alpha = self._attend(hidden, features, keys)
             new_state = torch.cat([hidden, context], dim=-1)  # (R, H + D)
         else:
-            context, alpha = self._attend(state, features, keys2)
+            context, alpha = self._attend(state, features, keys)
             hidden = new_state = self._gru(tokens, context, state, features)  # (R, H)
         logits = torch.cat([hidden, context], dim=-1) @ self.w_r_state.T  # (R, V)
         if self.readout_of_token is not None:
