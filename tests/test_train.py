@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from captioner.cli import main
-from captioner.config import DecodeConfig
+from captioner.config import ConfigError, DecodeConfig
 from captioner.data.order import SeededItems, epoch_batches, steps_per_epoch
 from captioner.decoding.search import decode
 from captioner.model.checkpoint import load_checkpoint, restore_model
@@ -363,6 +363,18 @@ def test_every_metrics_line_reaches_tensorboard_when_it_is_installed(tiny, tmp_p
     expected = [(k, v, ln["step"]) for ln in lines for k, v in ln.items() if k not in ("epoch", "step")]
     assert writer.folder == tmp_path / "run" / "tb" and writer.scalars == expected and writer.closed
     assert any(name == "val_CIDEr" for name, _, _ in writer.scalars)
+
+
+def test_schedule_epochs_lays_the_cosine_over_more_epochs_than_the_run_trains(tiny, tmp_path):
+    """`train.schedule_epochs` (the Flickr8k recipe: 7 of a cosine over 8): the run stops after
+    `epochs` with the learning rate where the longer schedule has it then, not at 0."""
+    result = train(run_config(tiny, ["train.epochs=1", "train.schedule_epochs=2", "train.schedule=cosine"]),
+                   tmp_path / "run", "cpu")
+    (line,) = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert result.steps == 10 and line["step"] == 10  # one epoch of 10 steps, validated
+    assert line["lr"] == pytest.approx(0.005 * lr_factor(10, 20, 0, "cosine"))  # half way: 0.0025
+    with pytest.raises(ConfigError, match="schedule_epochs.*shorter than train.epochs"):
+        run_config(tiny, ["train.epochs=3", "train.schedule_epochs=2"])
 
 
 def test_max_steps_ends_the_run_there_validated_with_the_schedule_fitted_to_it(tiny, tmp_path):

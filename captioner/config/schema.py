@@ -33,7 +33,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.encoder": {"image_size": "[32, 4096]", "trainable_stages": ">= 0"},
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
-    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "max_steps": ">= 0", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
+    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "schedule_epochs": ">= 0", "max_steps": ">= 0", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
@@ -174,6 +174,9 @@ class TrainConfig(_Section):
     # weight of KL(policy || the initial model) per sampled word: keeps SCST near its cross-entropy start
     scst_kl_weight: float = 0.0
     epochs: int = 20
+    # the epochs the learning-rate schedule is laid over (0 = `epochs`): more than `epochs` stops the run
+    # before the cosine reaches 0
+    schedule_epochs: int = 0
     max_steps: int = 0  # end the run after this many optimiser steps, validated (0 = every epoch's steps)
     batch_size: int = 64
     optimizer: Literal["adam", "adamw"] = "adamw"
@@ -222,6 +225,9 @@ class TrainConfig(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if 0 < self.schedule_epochs < self.epochs:
+            raise ConfigError(f"config key 'train.schedule_epochs': {self.schedule_epochs} is shorter than train.epochs "
+                              f"({self.epochs}): the schedule would end before the training (0 = train.epochs)")
         if self.objective == "scst" and not self.init:
             raise ConfigError("config key 'train.objective': 'scst' needs train.init (--init RUN/best.pt), the "
                               "cross-entropy checkpoint it fine-tunes")

@@ -91,7 +91,7 @@ def setup(cfg: Config, out_dir: Path, device: torch.device, dist: DistInfo | Non
     optimizer = build_optimizer(model, tc)
     objective, train_set, sampler = build_objective(cfg, model, data, vocab, init, device, dist, amp_dtype,
                                                        boxes)
-    steps = tc.epochs * steps_per_epoch(sampler.n, sampler.batch_size, dist.world_size)
+    steps = (tc.schedule_epochs or tc.epochs) * steps_per_epoch(sampler.n, sampler.batch_size, dist.world_size)
     scheduler = build_scheduler(optimizer, tc, min(steps, tc.max_steps) if tc.max_steps > 0 else steps)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     val_loader = torch.utils.data.DataLoader(
