@@ -23,14 +23,14 @@ def test_inference_step_is_the_decoders_step(attend, gate, table, scene, monkeyp
             p.mul_(3.0)
         grid = torch.randn(5, 12, 30)  # (B, L, D_enc); vocabulary 40
         memory = decoder.memory(grid)
-        features, keys2, state = inference.InferenceMemory(decoder)(grid)
-        assert torch.equal(keys2, 2 * memory.keys) and torch.equal(features, memory.features)
+        features, keys, state = inference.InferenceMemory(decoder)(grid)
+        assert torch.equal(keys, memory.keys) and torch.equal(features, memory.features)
         step = inference.InferenceStep(decoder).eval()
         assert (step.readout_of_token is not None) == table
         want_state = got_state = state
         for tokens in torch.randint(1, 40, (4, 5)):  # four steps, each from its own previous state
             want = decoder.step(tokens, want_state, memory)
-            logits, alpha, got_state = step(tokens, got_state, features, keys2)
+            logits, alpha, got_state = step(tokens, got_state, features, keys)
             torch.testing.assert_close(logits, want.logits, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(alpha, want.alpha, atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(got_state, want.hidden, atol=1e-5, rtol=1e-5)
