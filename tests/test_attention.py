@@ -51,6 +51,15 @@ def test_gradients_are_those_of_the_tanh_formula():
         torch.testing.assert_close(f, w)
 
 
+def test_an_images_keys_serve_all_its_rows():
+    """Keys (N, L, A) read by S rows each (an image's beams): the maps of a per-row copy."""
+    attn = BahdanauAttention(D, H, A)
+    features, _ = _inputs()
+    hidden = torch.randn(B * 4, H)  # 4 rows per image
+    keys = attn.keys(features)  # (B, L, A)
+    torch.testing.assert_close(attn(keys, hidden), attn(keys.repeat_interleave(4, dim=0), hidden))
+
+
 def test_softmax_runs_in_float32_under_bfloat16():
     """bf16 features and state (as under autocast): the weights come out of a float32 softmax, as
     float32, and sum to 1 to float32 precision; a bf16 softmax's sums are off by up to ~1e-2."""

@@ -72,3 +72,25 @@ def test_reads_are_kept_only_for_features_that_need_a_gradient(needs_grad):
     context.sum().backward()
     assert alpha.grad is not None and steps[0].reads == []  # used up by the features' node, or never kept
     assert (features.grad is not None) == needs_grad
+
+
+def test_an_expanded_memory_serves_each_row_as_its_own_copy_would():
+    """`expand(k)`: an image's k beams read its one memory; every row's context, mean and attention
+    must be what a per-row copy gives, and selecting rows or whole images from it too."""
+    memory, k = _memory(), 3
+    memory = Memory(memory.features, memory.keys, memory.features.mean(1) + 1.0)  # a scene of its own
+    rows = torch.arange(3).repeat_interleave(k)  # (9,) image of each row: 0,0,0,1,1,1,2,2,2
+    shared, copied = memory.expand(k), memory.select(rows)
+    assert shared.features.shape == (3, 7, 5) and copied.features.shape == (9, 7, 5)
+    alpha = torch.softmax(torch.randn(9, 7), -1)
+    torch.testing.assert_close(shared.read(alpha), copied.read(alpha))
+    torch.testing.assert_close(shared.mean(), copied.mean())
+    picked = torch.tensor([7, 1, 1])
+    assert torch.equal(shared.select(picked).features, copied.select(picked).features)
+    images = torch.tensor([2, 0])
+    kept = shared.select_images(images, k)  # the search drops done images, their k rows each
+    assert kept.shared == k and torch.equal(kept.features, memory.features[images])
+    kept_rows = torch.tensor([6, 7, 8, 0, 1, 2])
+    torch.testing.assert_close(kept.read(alpha[kept_rows]), copied.read(alpha)[kept_rows])
+    torch.testing.assert_close(kept.mean(), copied.mean()[kept_rows])
+    assert torch.equal(copied.select_images(images, k).features, copied.features[kept_rows])  # rows copied

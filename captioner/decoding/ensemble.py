@@ -27,8 +27,14 @@ class EnsembleMemory:
 
     members: tuple[Memory, ...]
 
+    def expand(self, k: int) -> EnsembleMemory:
+        return EnsembleMemory(tuple(m.expand(k) for m in self.members))
+
     def select(self, rows: Tensor) -> EnsembleMemory:
         return EnsembleMemory(tuple(m.select(rows) for m in self.members))
+
+    def select_images(self, images: Tensor, k: int) -> EnsembleMemory:
+        return EnsembleMemory(tuple(m.select_images(images, k) for m in self.members))
 
 
 class EnsembleDecoder(nn.Module):

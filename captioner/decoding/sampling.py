@@ -34,9 +34,8 @@ def sample(decoder: AttentionDecoder, features: Tensor, n: int, max_length: int,
     B = features.size(0)
     R = B * n
     memory = decoder.memory(features)  # (B, L, D), (B, L, A): once per image
-    rows = torch.arange(B, device=features.device).repeat_interleave(n)  # (R,)
-    state = decoder.init_hidden(memory)[rows]  # (R, H) or (R, H + D)
-    memory = memory.select(rows)  # (R, L, D), (R, L, A)
+    state = decoder.init_hidden(memory).repeat_interleave(n, dim=0)  # (R, H) or (R, H + D)
+    memory = memory.expand(n)  # each image's read by its n rows
     token = torch.full((R,), start_id, dtype=torch.long, device=features.device)  # (R,)
     alive = torch.ones(R, dtype=torch.bool, device=features.device)  # (R,) not ended yet
     banned = torch.tensor(list(banned_ids), dtype=torch.long, device=features.device)

@@ -4,7 +4,7 @@ Shapes: B batch (images), n images still searched, K beams, R = n·K rows, L = H
 D feature width, H hidden width, V vocabulary, t words generated so far.
 
 Beam search follows fairseq's `search.py` / HF `generate`: the memory (features and attention
-keys) is built once per image and expanded to B·K rows; each step is one `topk` over the (B, K·V)
+keys) is built once per image and read by its K rows (`Memory.expand`: shared, not copied); each step is one `topk` over the (B, K·V)
 candidate scores, beam = idx // V and token = idx % V; only beam 0 is live at the start. The
 hidden state, the words and the attention history are gathered by source beam every step, so a
 hypothesis carries the attention of the step that produced each of its words.
@@ -82,7 +82,7 @@ class _Beams(NamedTuple):
     ids: list[int]  # the input index of each image
     tokens: Tensor  # (R,) the last word of each beam
     hidden: Tensor  # (R, H)
-    memory: Memory  # features (R, L, D), keys (R, L, A)
+    memory: Memory  # each image's, read by its K rows (`Memory.expand`)
     scores: Tensor  # (n, K) summed log-probs; -inf for a beam not live
     words: Tensor  # (R, t)
     history: Tensor  # (R, t, L) float32: the attention of the step that wrote each word
@@ -150,12 +150,11 @@ def _expand(decoder: AttentionDecoder, features: Tensor, K: int, start_id: int) 
     B, L, _ = features.shape
     device = features.device
     memory = decoder.memory(features)  # once per image: features (B, L, D), keys (B, L, A)
-    image_of_row = torch.arange(B, device=device).repeat_interleave(K)  # (B·K,): 0,0,..,1,1,..
-    hidden = decoder.init_hidden(memory)[image_of_row]  # (B, H) -> (B·K, H)
+    hidden = decoder.init_hidden(memory).repeat_interleave(K, dim=0)  # (B, H) -> (B·K, H): 0,0,..,1,1,..
     scores = torch.full((B, K), NEG_INF, dtype=torch.float32, device=device)  # (B, K)
     scores[:, 0] = 0.0
     return _Beams(list(range(B)), torch.full((B * K,), start_id, dtype=torch.long, device=device), hidden,
-                  memory.select(image_of_row), scores, torch.empty(B * K, 0, dtype=torch.long, device=device),
+                  memory.expand(K), scores, torch.empty(B * K, 0, dtype=torch.long, device=device),
                   torch.empty(B * K, 0, L, dtype=torch.float32, device=device))
 
 
@@ -174,7 +173,7 @@ def _prune(beams: _Beams, top: _Top, hidden: Tensor, alpha: Tensor, going: list[
     """Only the rows of the images still `going` (their indices among the n): done images leave the batch."""
     sel = torch.tensor(going, device=hidden.device)  # (n',)
     rows = (sel.unsqueeze(1) * K + torch.arange(K, device=hidden.device)).view(-1)  # (n'·K,)
-    kept = beams._replace(ids=[beams.ids[b] for b in going], memory=beams.memory.select(rows),
+    kept = beams._replace(ids=[beams.ids[b] for b in going], memory=beams.memory.select_images(sel, K),
                           words=beams.words.index_select(0, rows), history=beams.history.index_select(0, rows))
     top = _Top(*(x.index_select(0, sel) for x in top[:4]), top.any_end)
     return kept, top, hidden.index_select(0, rows), alpha.index_select(0, rows)

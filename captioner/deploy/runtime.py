@@ -57,9 +57,12 @@ class OnnxEncoder:
 @dataclass(frozen=True)
 class OnnxMemory(Memory):
     """Memory that also carries memory.onnx's initial state (selecting rows drops it: only the
-    search's start needs it)."""
+    search's start needs it). step.onnx reads a memory row per beam, so `expand` copies."""
 
     initial: Tensor | None = None
+
+    def expand(self, k: int) -> Memory:
+        return self.select(torch.arange(len(self.features)).repeat_interleave(k))  # (B·k, L, D), (B·k, L, A)
 
 
 class OnnxDecoder:

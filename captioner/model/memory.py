@@ -5,7 +5,7 @@ in a packed pass N images, C = the most captions of one image, n_t captions stil
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -15,19 +15,38 @@ from torch import Tensor
 class Memory:
     """What the decoder attends to, computed once per image and constant while decoding.
 
-    features: (B, L, D); keys: (B, L, A) = W1·features; scene: (B, D) the grid's mean, when the
-    decoder reads it (`global_context`); None = computed from `features` where needed.
+    features: (B, L, D); keys: (B, L, A) = 2·W1·features (`BahdanauAttention.keys`); scene: (B, D)
+    the grid's mean, when the decoder reads it (`global_context`); None = computed from `features`
+    where needed.
+    shared: S, the consecutive rows that read each of these memories (`expand`: an image's beams):
+    the memory serves B·S rows, row r reading memory r // S, and no row has a copy of its own.
     """
 
     features: Tensor
     keys: Tensor
     scene: Tensor | None = None
+    shared: int = 1
+
+    def expand(self, k: int) -> Memory:
+        """Each row's memory for k consecutive rows (an image's beams, its drawn captions), shared:
+        k times the rows, nothing copied (a beam search's (B·K, L, D) copy was 84 MB at batch 32)."""
+        return replace(self, shared=self.shared * k)
 
     def select(self, rows: Tensor) -> Memory:
-        """The memories of rows `rows` (R,) int64, in that order: (B, ...) -> (R, ...). One row may
-        be selected many times (an image's beams in a search)."""
-        scene = None if self.scene is None else self.scene.index_select(0, rows)
-        return Memory(self.features.index_select(0, rows), self.keys.index_select(0, rows), scene)
+        """The memories of rows `rows` (R,) int64, in that order: (B·S rows) -> (R rows), each with its
+        own copy. One row may be selected many times (a caption's image in teacher forcing)."""
+        images = rows if self.shared == 1 else torch.div(rows, self.shared, rounding_mode="floor")  # (R,)
+        scene = None if self.scene is None else self.scene.index_select(0, images)
+        return Memory(self.features.index_select(0, images), self.keys.index_select(0, images), scene)
+
+    def select_images(self, images: Tensor, k: int) -> Memory:
+        """The rows of the images `images` (n,) int64 of a memory expanded k rows per image (`expand`):
+        their k rows each, still shared where they were."""
+        if self.shared == k:
+            scene = None if self.scene is None else self.scene.index_select(0, images)
+            return replace(self, features=self.features.index_select(0, images),
+                           keys=self.keys.index_select(0, images), scene=scene)
+        return self.select((images.unsqueeze(1) * k + torch.arange(k, device=images.device)).view(-1))  # (n·k,)
 
     def packed(self, rows: Tensor, sizes: list[int]) -> list[PackedMemory]:
         """The memories of a packed pass's steps: per step t, those of the captions still going.
@@ -52,13 +71,16 @@ class Memory:
                 for t, n in enumerate(sizes)]
 
     def read(self, alpha: Tensor) -> Tensor:
-        """The context: the regions weighted by a map, (B, L) -> (B, D) in the features' dtype."""
-        weights = alpha.to(self.features.dtype)
-        return torch.bmm(weights.unsqueeze(1), self.features).squeeze(1)  # (B, 1, L) @ (B, L, D) -> (B, D)
+        """The contexts: the regions weighted by each row's map, (B·S, L) -> (B·S, D) in the features'
+        dtype; the S rows of a shared memory read it together."""
+        B, L, D = self.features.shape
+        weights = alpha.to(self.features.dtype).view(B, self.shared, L)  # (B, S, L)
+        return torch.bmm(weights, self.features).view(-1, D)  # (B, S, L) @ (B, L, D) -> (B·S, D)
 
     def mean(self) -> Tensor:
-        """(B, D) the grid's mean."""
-        return self.features.mean(dim=1) if self.scene is None else self.scene
+        """(B·S, D) the grid's mean of each row's memory."""
+        mean = self.features.mean(dim=1) if self.scene is None else self.scene  # (B, D)
+        return mean if self.shared == 1 else mean.repeat_interleave(self.shared, dim=0)
 
 
 @dataclass(frozen=True)
