@@ -4,10 +4,11 @@ Shapes: B batch (images), n images still searched, K beams, R = n·K rows, L = H
 D feature width, H hidden width, V vocabulary, t words generated so far.
 
 Beam search follows fairseq's `search.py` / HF `generate`: the memory (features and attention
-keys) is built once per image and read by its K rows (`Memory.expand`: shared, not copied); each step is one `topk` over the (B, K·V)
-candidate scores, beam = idx // V and token = idx % V; only beam 0 is live at the start. The
-hidden state, the words and the attention history are gathered by source beam every step, so a
-hypothesis carries the attention of the step that produced each of its words.
+keys) is built once per image and read by its K rows (`Memory.expand`: shared, not copied); each
+step is one `topk` over the (B, K·V) candidate scores, beam = idx // V and token = idx % V; only
+beam 0 is live at the start. The hidden state, the words and the attention history are gathered
+by source beam every step, so a hypothesis carries the attention of the step that produced each of
+its words.
 
 An `<end>` candidate among an image's top K is set aside as a finished hypothesis (its score is
 length-penalised); the other top candidates continue. An image is done when it holds K finished

@@ -190,8 +190,9 @@ class AttentionDecoder(nn.Module):
         """Teacher-forced pass over a batch of captions, packed (see `DecoderOutput`).
 
         The region projection and the keys run once per image, however many of its captions the
-        batch holds, and an image's captions read its features together (`Memory.packed`). The captions are sorted longest first, so at step t the captions still going
-        are the first n_t rows and the step runs on those alone: padding costs nothing.
+        batch holds, and an image's captions read its features together (`Memory.packed`). The
+        captions are sorted longest first, so at step t the captions still going are the first n_t
+        rows and the step runs on those alone: padding costs nothing.
 
         Args:
             features: (N, L, D_enc) grids of the batch's N distinct images.
