@@ -35,7 +35,7 @@ class Memory:
     def select(self, rows: Tensor) -> Memory:
         """The memories of rows `rows` (R,) int64, in that order: (B·S rows) -> (R rows), each with its
         own copy. One row may be selected many times (a caption's image in teacher forcing)."""
-        images = rows if self.shared == 1 else torch.div(rows, self.shared, rounding_mode="floor")  # (R,)
+        images = rows // self.shared  # (R,)
         scene = None if self.scene is None else self.scene.index_select(0, images)
         return Memory(self.features.index_select(0, images), self.keys.index_select(0, images), scene)
 
