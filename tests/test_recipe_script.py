@@ -41,3 +41,23 @@ def test_the_model_card_states_the_scores_and_the_decoding_rules(tmp_path):
     assert "the decoder's weight matrices in int8 (one float32 scale per row" in card
     assert "| cross-entropy | 0.630 | 0.218 | 0.207 | 0.465 | 0.526 | 234 | 0.890 (0.712) | 0.707 (0.294) |" in card
     assert "(970 photos, beam 5, no repeated 2-gram, no content word twice;" in card
+
+
+def test_the_int8_encoder_is_calibrated_on_training_photos_alone(tmp_path):
+    """The bundle's int8 ranges come from 64 training photos spread over the train list: never a dev or
+    test photo (the test list is what the project is scored on)."""
+    import PIL.Image
+
+    script = load_script("flickr8k")
+    names = [f"{i}.jpg" for i in range(200)]
+    (tmp_path / "Images").mkdir()
+    for name in names:
+        PIL.Image.new("RGB", (8, 8)).save(tmp_path / "Images" / name)
+    (tmp_path / "Flickr8k.token.txt").write_text("".join(f"{n}#0\ta dog runs .\n" for n in names))
+    (tmp_path / "Flickr_8k.trainImages.txt").write_text("\n".join(names[:150]) + "\n")
+    (tmp_path / "Flickr_8k.devImages.txt").write_text("\n".join(names[150:180]) + "\n")
+    (tmp_path / "Flickr_8k.testImages.txt").write_text("\n".join(names[180:]) + "\n")
+    photos = script.calibration_photos(tmp_path)
+    assert len(photos) == len(set(photos)) == 64
+    assert {p.rsplit("/", 1)[1] for p in photos} <= set(names[:150])
+    assert photos[0].endswith("/0.jpg") and photos[-1].endswith("/126.jpg")  # spread over the list, not its head
