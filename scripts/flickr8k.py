@@ -49,9 +49,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def stage(name: str, command: list[str], env: dict[str, str], log: Path) -> float:
-    """Run one command, its output into `log`; returns its wall time in seconds (exits on failure)."""
-    print(f"{name}: {' '.join(command[2:])}", flush=True)
+def stage(name: str, command: list[str], env: dict[str, str], log: Path, shown: str = "") -> float:
+    """Run one command, its output into `log`; returns its wall time in seconds (exits on failure).
+    `shown`: what to print for the command (default: the command itself)."""
+    print(f"{name}: {shown or ' '.join(command[2:])}", flush=True)
     tick = time.perf_counter()
     with log.open("w") as f:
         code = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -115,14 +116,22 @@ def main(argv: list[str] | None = None) -> int:
         best = max(rows, key=lambda name: rows[name]["CIDEr"])
         run = {"cross-entropy": xent, "SCST": scst}[best]
         folder = Path(args.bundle)
-        export = ["export", "--checkpoint", str(run / "best.pt"), "-o", str(folder), "--small", "int8",
-                  "--quantize", "int8", "--calibration", *calibration_photos(data), *decoding]
-        stage("bundle", CAPTIONER + export, env, out / "bundle.log")
+        photos = calibration_photos(data)
+        export = bundle_command(run / "best.pt", folder, decoding, photos)
+        stage("bundle", CAPTIONER + export, env, out / "bundle.log",
+              shown=" ".join(export[: len(export) - len(photos)] + [f"({len(photos)} training photos)"]))
         manifest = json.loads((folder / "manifest.json").read_text())
         write_card(folder / "MODEL_CARD.md", best, rows, minutes, args, manifest)
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         print(f"bundled the {best} model: {folder} ({size:.1f} MB)")
     return 0
+
+
+def bundle_command(checkpoint: Path, folder: Path, decoding: list[str], photos: list[str]) -> list[str]:
+    """The `captioner export` arguments of the bundle: the encoder in int8, calibrated on `photos`; the
+    decoder's matrices in int8 (the GRU's in float16); the recipe's decoding as the export's defaults."""
+    return ["export", "--checkpoint", str(checkpoint), "-o", str(folder), "--small", "int8", "--quantize", "int8",
+            *decoding, "--calibration", *photos]
 
 
 def calibration_photos(data: Path, n: int = CALIBRATION_PHOTOS) -> list[str]:
@@ -184,7 +193,7 @@ official dev list (970 photos). English captions, mostly of people and dogs outd
 describe those well and anything else (indoor scenes, objects, text) poorly, and to repeat the
 biases of its captions (it says "man" and "woman" from appearance). Not for decisions about people.
 
-**Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR`:
+**Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR{"".join(" " + o for o in args.overrides)}`:
 {recipe}, on a 2-core CPU: {spent}.
 
 **Scores on the Flickr8k dev list** (970 photos, {decoding}; grounding: the pointing game over the words

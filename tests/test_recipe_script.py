@@ -26,7 +26,7 @@ def test_every_training_stage_is_a_command_the_cli_accepts(tmp_path):
 
 def test_the_model_card_states_the_scores_and_the_decoding_rules(tmp_path):
     script = load_script("flickr8k")
-    args = script.get_args_parser().parse_args(["--data", str(tmp_path), "--scst-config", ""])
+    args = script.get_args_parser().parse_args(["--data", str(tmp_path), "--scst-config", "", "train.seed=0"])
     row = {"Bleu_1": 0.63, "Bleu_4": 0.218, "METEOR": 0.207, "ROUGE_L": 0.465, "CIDEr": 0.526, "words": 234,
            "hit": 0.89, "centre": 0.712, "mass": 0.707, "even": 0.294}
     manifest = {"encoder": {"name": "efficientnet_lite0", "image_size": 384, "grid": [12, 12], "precision": "float32",
@@ -37,6 +37,7 @@ def test_the_model_card_states_the_scores_and_the_decoding_rules(tmp_path):
                       manifest)
     card = (tmp_path / "MODEL_CARD.md").read_text()
     assert "12x12 grid" in card and "research use" in card
+    assert "`python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR train.seed=0`" in card  # how to rebuild it
     assert "the encoder's weights in float16 (computed in float32; its grids within 0.3% of the trained" in card
     assert "the decoder's weight matrices in int8 (one float32 scale per row" in card
     assert "| cross-entropy | 0.630 | 0.218 | 0.207 | 0.465 | 0.526 | 234 | 0.890 (0.712) | 0.707 (0.294) |" in card
@@ -61,3 +62,6 @@ def test_the_int8_encoder_is_calibrated_on_training_photos_alone(tmp_path):
     assert len(photos) == len(set(photos)) == 64
     assert {p.rsplit("/", 1)[1] for p in photos} <= set(names[:150])
     assert photos[0].endswith("/0.jpg") and photos[-1].endswith("/126.jpg")  # spread over the list, not its head
+    decoding = ["--beam", "5", "--no-repeat-words"]
+    export = build_parser().parse_args(script.bundle_command(tmp_path / "best.pt", tmp_path / "bundle", decoding, photos))
+    assert (export.quantize, export.small, export.calibration, export.beam_size) == ("int8", "int8", photos, 5)
