@@ -26,9 +26,9 @@ from pathlib import Path
 from captioner.cli.common import decode_flags
 from captioner.config import load_config
 from captioner.data.sources import read_source
+from captioner.deploy import CALIBRATION_IMAGES
 
 CAPTIONER = [sys.executable, "-m", "captioner.cli"]
-CALIBRATION_PHOTOS = 64  # what `export --calibration` uses at most
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -134,9 +134,9 @@ def bundle_command(checkpoint: Path, folder: Path, decoding: list[str], photos: 
             *decoding, "--calibration", *photos]
 
 
-def calibration_photos(data: Path, n: int = CALIBRATION_PHOTOS) -> list[str]:
+def calibration_photos(data: Path, n: int = CALIBRATION_IMAGES) -> list[str]:
     """`n` training photos, evenly spaced over the train split, for the int8 encoder's ranges (never a
-    validation or test photo)."""
+    validation or test photo); the most `export --calibration` reads, so the command line stays short."""
     train = [str(r.image) for r in read_source(data) if r.split == "train"]
     return train[:: max(1, len(train) // n)][:n]
 
