@@ -168,7 +168,9 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
     encoder, decode = manifest["encoder"], manifest["decode"]
     decoding = ", ".join([f"beam {decode['beam_size']}"]
                          + ([f"no repeated {decode['no_repeat_ngram']}-gram"] if decode.get("no_repeat_ngram") else [])
-                         + (["no content word twice"] if decode.get("no_repeat_words") else []))
+                         + (["no content word twice"] if decode.get("no_repeat_words") else [])
+                         + ([f"the word detector weighed in at {decode['detector_weight']:g}"]
+                            if decode.get("detector_weight") else []))
     height, width = encoder["grid"]
     table = "\n".join(
         f"| {name} | {v['Bleu_1']:.3f} | {v['Bleu_4']:.3f} | {v['METEOR']:.3f} | {v['ROUGE_L']:.3f} | {v['CIDEr']:.3f} "

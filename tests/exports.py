@@ -15,10 +15,11 @@ from captioner.model.checkpoint import save_checkpoint
 
 from servers import CAPTIONS
 
-# decoder layouts every export test runs on: both places of attention, and a two-scale encoder grid
+# decoder layouts every export test runs on: both places of attention, and a two-scale encoder grid with a word
+# detector (words.onnx)
 DECODERS = {"after-none": {"attend": "after", "init_pooling": "none"},
             "before-mean": {"attend": "before", "init_pooling": "mean", "position": False},
-            "two-scale-grid": {"attend": "after", "init_pooling": "mean", "two_scale": True}}
+            "two-scale-grid": {"attend": "after", "init_pooling": "mean", "two_scale": True, "concepts": True}}
 _EXPORTS: dict[str, tuple] = {}
 
 
@@ -33,6 +34,8 @@ def tiny_checkpoint(path: Path, two_scale: bool = False, **decoder) -> Path:
     with torch.no_grad():
         model.decoder.readout.weight.mul_(4.0)  # peaked word distributions: no near-ties
         model.decoder.attention.score.weight.mul_(20.0)  # maps with something to compare
+        if model.decoder.detects_words:  # a detector sure of some words, unsure of others
+            model.decoder.concepts.bias.normal_(-3.0, 2.0)
     return save_checkpoint(path, Config(model=model_cfg, decode=DecodeConfig(beam_size=3, max_length=8)), vocab,
                            model.state_dict())
 

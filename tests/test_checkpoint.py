@@ -99,7 +99,7 @@ def test_checkpoint_that_does_not_fit_the_code(tmp_path):
 def test_the_run_config_is_stored_once(tmp_path):
     _, path = _saved(tmp_path)
     payload = torch.load(path, weights_only=True)
-    assert payload["version"] == 2 and set(payload["config"]) == {"data", "model", "train", "decode"}
+    assert payload["version"] == 3 and set(payload["config"]) == {"data", "model", "train", "decode"}
     assert "model_config" not in payload and "config" not in payload["meta"]
 
 
@@ -211,3 +211,50 @@ def test_a_full_disk_leaves_the_previous_checkpoint_loadable(tmp_path, tiny_disk
     monkeypatch.undo()
     assert previous.read_bytes() == before and load_checkpoint(previous).vocab == VOCAB
     assert [p.name for p in folder.iterdir()] == ["last.pt"]  # no temporary file left behind
+
+
+GROUPED_VOCAB = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "a", "man", "dog", "person", "woman", "grass"])
+
+
+def test_a_new_runs_detector_reads_the_words_its_training_groups_and_the_checkpoint_keeps_that(tmp_path):
+    """`train.concept_groups`: "man" and "woman" read the "person" output; the slots are saved with the
+    weights, so a model fine-tuned from this one (self-critical training, whose own config does not
+    group) reads its detector the same way."""
+    from captioner.config import TrainConfig
+    from captioner.model.concepts import concept_slots
+    from captioner.recipes.build import build_run_model
+
+    model_cfg = ModelConfig(encoder=CFG.encoder, decoder=DecoderConfig(embed_dim=8, hidden_dim=16, attention_dim=8,
+                                                                       concepts=True))
+    cfg = Config(model=model_cfg, train=TrainConfig(concept_groups=True))
+    model = build_run_model(cfg, GROUPED_VOCAB, None, None, None)
+    person = GROUPED_VOCAB.id("person")
+    assert model.decoder.detector_slots[GROUPED_VOCAB.id("man")] == person
+    assert torch.equal(model.decoder.detector_slots, concept_slots(GROUPED_VOCAB, grouped=True))
+    path = save_checkpoint(tmp_path / "xent.pt", cfg, GROUPED_VOCAB, model.state_dict())
+    ckpt = load_checkpoint(path)
+    scst = Config(model=model_cfg, train=TrainConfig(objective="scst", init=str(path)))  # concept_groups False
+    tuned = build_run_model(scst, GROUPED_VOCAB, None, ckpt, None)
+    assert torch.equal(tuned.decoder.detector_slots, model.decoder.detector_slots)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_version_2_checkpoint_gets_its_detectors_word_outputs_from_the_weights(tmp_path, grouped):
+    """Version 2 did not save the slots: a grouped detector never trained its grouped words' own outputs
+    (their bias still the initial -6 exactly), whatever the run's config said."""
+    from captioner.config import to_dict
+    from captioner.model.concepts import concept_slots
+
+    model_cfg = ModelConfig(encoder=CFG.encoder, decoder=DecoderConfig(embed_dim=8, hidden_dim=16, attention_dim=8,
+                                                                       concepts=True))
+    slots = concept_slots(GROUPED_VOCAB, grouped)
+    model = build_model(model_cfg, len(GROUPED_VOCAB))
+    state = model.state_dict()
+    trained = torch.isin(torch.arange(len(GROUPED_VOCAB)), slots)  # the outputs some word reads
+    state["decoder.concepts.bias"][trained] += 0.01 * torch.randn(int(trained.sum()))
+    del state["decoder.detector_slots"]
+    path = tmp_path / "v2.pt"
+    torch.save({"format": "captioner", "version": 2, "config": to_dict(Config(model=model_cfg)),
+                "vocab": GROUPED_VOCAB.to_list(), "model": state, "train_state": None, "meta": {}}, path)
+    restored, _ = _restored(path)
+    assert torch.equal(restored.decoder.detector_slots, slots)

@@ -29,10 +29,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared/data/flickr8k-800/Images"
 
 def test_onnx_runtime_captions_exactly_as_torch(each_exported):
     checkpoint, report = each_exported
-    assert {p.name for p in report.files} == {"encoder.onnx", "memory.onnx", "step.onnx", "manifest.json"}
+    detects = "words.onnx" in {p.name for p in report.files}
+    assert {p.name for p in report.files} == {"encoder.onnx", "memory.onnx", "step.onnx", "manifest.json",
+                                              *(["words.onnx"] if detects else [])}
     assert max(report.differences.values()) < 1e-4
-    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(random_images(), alternatives=2)
-    onnx_captions = onnx_captioner(report.folder).caption(random_images(), alternatives=2)
+    settings = {"detector_weight": 2.0} if detects else {}  # the word detector weighed in, on both runtimes
+    torch_captions = Captioner.from_checkpoint(checkpoint, device="cpu").caption(random_images(), alternatives=2,
+                                                                                 **settings)
+    onnx_captions = onnx_captioner(report.folder).caption(random_images(), alternatives=2, **settings)
     for t, o in zip(torch_captions, onnx_captions):
         assert o.tokens == t.tokens and o.finished == t.finished and o.image_size == t.image_size
         assert o.score == pytest.approx(t.score, abs=1e-4) and o.cells == t.cells
@@ -409,3 +413,18 @@ def test_int8_weights_are_found_by_row_or_column_and_nothing_else_is_rounded():
         np.testing.assert_allclose(q * scale, seen, rtol=1e-6)
     assert as_int8(w.numpy()) is None
     assert as_int8(w.half().float().numpy()) is None
+
+
+def test_the_detector_weight_needs_a_word_detector_and_a_weight_in_range(exported, tmp_path, capsys):
+    """`--detector-weight` on a model without a word detector, on either runtime, or out of range: one line
+    naming it and a non-zero exit, before any captioning."""
+    checkpoint, report = exported  # a decoder without a word detector
+    image = tmp_path / "photo.png"
+    random_images(1)[0].save(image)
+    for model in (["--checkpoint", str(checkpoint), "--device", "cpu"],
+                  ["--checkpoint", str(report.folder), "--runtime", "onnx"]):
+        assert main(["caption", str(image), *model, "--detector-weight", "0.5"]) != 0
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "--detector-weight" in err and "no word detector" in err
+    assert main(["caption", str(image), "--checkpoint", str(checkpoint), "--detector-weight", "-1"]) == 2
+    assert capsys.readouterr().err.strip().startswith("captioner: error: --detector-weight")

@@ -185,7 +185,7 @@ def test_grouped_concepts_share_one_detector_output():
     and a photo captioned "woman" trains that output as present."""
     from captioner.data.vocab import Vocabulary
     from captioner.training.loss import concept_detection
-    from captioner.training.teachers import concept_slots
+    from captioner.model.concepts import concept_slots
 
     vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "grass", "man", "woman", "dog", "puppy"])
     slots = concept_slots(vocab, grouped=True)
@@ -208,7 +208,8 @@ def test_the_detector_scores_the_batchs_words_and_a_sample_of_others():
     from captioner.data.vocab import Vocabulary
     from captioner.model.decoder import AttentionDecoder
     from captioner.training.loss import build_criterion, concept_detection, detector_outputs
-    from captioner.training.teachers import concept_slots, detector_teacher
+    from captioner.model.concepts import concept_slots
+    from captioner.training.teachers import detector_teacher
 
     words = ["<pad>", "<start>", "<end>", "<unk>", "a", "man", "woman", "dog"] + [f"w{i}" for i in range(40)]
     vocab = Vocabulary(words)

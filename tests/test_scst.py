@@ -329,3 +329,14 @@ def test_scst_without_an_initial_checkpoint_is_refused(tmp_path):
         load_config(None, ["train.objective=scst"])
     with pytest.raises(ConfigError, match="scst_samples"):
         load_config(None, ["train.objective=scst", "train.init=x.pt", "train.scst_samples=1"])
+
+
+def test_a_detector_weight_the_model_cannot_honour_is_refused_before_any_training(start, tmp_path):
+    """`decode.detector_weight` needs a word detector: refused with the config when the config builds the
+    model, and when the model comes from `--init`, as soon as it is loaded (before data, before a step)."""
+    config, ce = start  # a model without a word detector
+    with pytest.raises(ConfigError, match="needs the word detector"):
+        load_config(config, ["decode.detector_weight=0.5"])
+    with pytest.raises(ConfigError, match="no word detector"):
+        train(run_config(config, [*SCST, f"train.init={ce}", "decode.detector_weight=0.5"]), tmp_path / "run", "cpu")
+    assert not list((tmp_path / "run").glob("*.pt"))

@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import itertools
 
@@ -252,3 +253,48 @@ def test_no_caption_ends_right_after_a_function_word():
     off = decode(dec, features, DecodeConfig(beam_size=3, max_length=8, no_dangling=False), vocab)
     assert not any(h.finished and h.tokens[-1] == 4 for h in on)
     assert any(h.finished and h.tokens[-1] == 4 for h in off)
+
+
+def _detecting_decoder() -> AttentionDecoder:
+    """`_decoder` with a word detector sure of some words and unsure of others."""
+    dec = AttentionDecoder(V, D, dataclasses.replace(CFG, concepts=True), grid=(3, 3)).eval()
+    with torch.no_grad():
+        dec.readout.weight.mul_(4.0)
+        dec.readout.bias[END] += 1.0
+        dec.concepts.bias.normal_(-3.0, 2.0, generator=torch.Generator().manual_seed(0))
+    return dec
+
+
+def test_the_detector_weight_adds_its_log_probabilities_to_each_images_content_words():
+    """Shallow fusion (`decode.detector_weight`): one image's search equals the plain search of a decoder
+    whose readout bias holds w · log p(word) for the content words; in a batch each image gets its own
+    (images that leave the batch early take theirs with them)."""
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "a", "the", *(f"w{i}" for i in range(V - 6))])
+    dec, features = _detecting_decoder(), torch.randn(8, L, D, generator=torch.Generator().manual_seed(2))
+    cfg = DecodeConfig(beam_size=3, max_length=10, detector_weight=1.5)
+    fused = decode(dec, features, cfg, vocab)
+    plain = decode(dec, features, dataclasses.replace(cfg, detector_weight=0.0), vocab)
+    assert [h.tokens for h in fused] != [h.tokens for h in plain]
+    for i, hyp in enumerate(fused):
+        shifted = copy.deepcopy(dec)
+        with torch.no_grad():
+            log_p = dec.word_log_probs(features[i : i + 1])[0]  # (V,)
+            shifted.readout.bias[6:] += 1.5 * log_p[6:]  # the content words: not "a", "the", the specials
+        (alone,) = decode(shifted, features[i : i + 1], dataclasses.replace(cfg, detector_weight=0.0), vocab)
+        assert hyp.tokens == alone.tokens and hyp.score == pytest.approx(alone.score, abs=1e-4)
+    assert len({(len(h.tokens), h.finished) for h in fused}) > 1  # images left the batch at different steps
+
+
+def test_word_log_probs_read_each_words_detector_output():
+    """A grouped word ("man" reading "person") gets its group's probability; the noisy-OR of the regions."""
+    dec, features = _detecting_decoder(), torch.randn(2, L, D)
+    with torch.no_grad():
+        own = dec.word_log_probs(features)  # (2, V)
+        scores = torch.sigmoid(dec.concepts(features))  # (2, L, V)
+        torch.testing.assert_close(own.exp(), 1 - (1 - scores).prod(dim=1), atol=1e-5, rtol=1e-4)
+        dec.detector_slots[7] = 9  # word 7 reads output 9
+        grouped = dec.word_log_probs(features)
+    torch.testing.assert_close(grouped[:, 7], own[:, 9])
+    torch.testing.assert_close(grouped[:, :7], own[:, :7])
+    with pytest.raises(ValueError, match="no word detector"):
+        _decoder().word_log_probs(features)

@@ -53,6 +53,9 @@ def add_decode_flags(p: argparse._ActionsContainer) -> None:
                             "'a', 'in' may repeat; default: the checkpoint's)")
     words.add_argument(DECODE_FLAGS_OFF["no_repeat_words"], dest="no_repeat_words", action="store_const", const=False,
                        help="let content words repeat")
+    p.add_argument("--detector-weight", type=float, metavar="W",
+                   help="each content word's score gains W x log p(the photo shows it), p the model's word detector "
+                        "(0 = off; default: the checkpoint's)")
 
 
 def add_batch_size(p: argparse.ArgumentParser) -> None:
@@ -61,7 +64,8 @@ def add_batch_size(p: argparse.ArgumentParser) -> None:
 
 
 DECODE_FLAGS = {"beam_size": "--beam", "max_length": "--max-length", "length_penalty": "--length-penalty",
-                "no_repeat_ngram": "--no-repeat-ngram", "no_repeat_words": "--no-repeat-words"}
+                "no_repeat_ngram": "--no-repeat-ngram", "no_repeat_words": "--no-repeat-words",
+                "detector_weight": "--detector-weight"}
 DECODE_FLAGS_OFF = {"no_repeat_words": "--repeat-words"}  # a switch's other flag
 
 

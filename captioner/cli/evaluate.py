@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"data:     {data} ({args.split}: {len(result.captions)} images captioned, {len(result.skipped)} skipped)")
     print(f"decode:   beam {d.beam_size}, max length {d.max_length}, length penalty {d.length_penalty}"
           f"{f', no repeat {d.no_repeat_ngram}-grams' if d.no_repeat_ngram else ''}"
-          f"{', no content word twice' if d.no_repeat_words else ''}")
+          f"{', no content word twice' if d.no_repeat_words else ''}"
+          f"{f', word detector weight {d.detector_weight:g}' if d.detector_weight else ''}")
     print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found",
                      result.diversity, result.focus)
     if boxes is not None and result.grounding is None:

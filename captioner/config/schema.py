@@ -37,7 +37,7 @@ LIMITS: dict[str, dict[str, str]] = {
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
-    "decode": {"beam_size": ">= 1", "max_length": ">= 2", "length_penalty": ">= 0", "no_repeat_ngram": ">= 0"},
+    "decode": {"beam_size": ">= 1", "max_length": ">= 2", "length_penalty": ">= 0", "no_repeat_ngram": ">= 0", "detector_weight": "[0, 10]"},
 }
 
 
@@ -247,6 +247,9 @@ class DecodeConfig(_Section):
     no_repeat_ngram: int = 0  # 0 = off
     no_dangling: bool = True  # <end> never right after a function word: no "a man riding a"
     no_repeat_words: bool = False  # a content word at most once per caption: no "a man wearing a hat and a hat"
+    # w: each content word's score gains w * log p(the photo shows it), p the word detector's (shallow fusion;
+    # needs model.decoder.concepts); 0 = the decoder alone
+    detector_weight: float = 0.0
 
     def with_overrides(self, **overrides: Any) -> DecodeConfig:
         """These settings with `overrides` (field names; None = keep). TypeError names unknown ones."""
@@ -256,6 +259,13 @@ class DecodeConfig(_Section):
         if unknown:
             raise TypeError(f"unknown decode setting(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
         return dataclasses.replace(self, **overrides)
+
+    def usable_by(self, detects_words: bool) -> DecodeConfig:
+        """These settings, checked against a model (`detects_words`: it has a word detector)."""
+        if self.detector_weight and not detects_words:
+            raise ConfigError(f"decode.detector_weight (--detector-weight) {self.detector_weight:g}: this model has no "
+                              f"word detector (model.decoder.concepts)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -279,6 +289,9 @@ class Config(_Section):
         if self.data.mirror and not (self.data.use_cache and self.model.encoder.trainable_stages == 0):
             raise ConfigError("config key 'data.mirror': true needs the feature cache of a frozen encoder (with "
                               "images, data.augment crops and recolours them instead)")
+        if self.decode.detector_weight and not self.model.decoder.concepts and not self.train.init:  # else: init's
+            raise ConfigError("config key 'decode.detector_weight': needs the word detector, model.decoder.concepts: "
+                              "true")
         if self.data.mirror and self.train.objective == "scst":
             raise ConfigError("config key 'data.mirror': true trains cross-entropy only (self-critical training "
                               "reads the photos' own grids)")

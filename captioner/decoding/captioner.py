@@ -128,8 +128,9 @@ class Captioner:
         return cls(model, ckpts[0].vocab, decode or ckpts[0].config.decode, device, ckpts[0].meta)
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
-        """The default decode settings with `overrides` (DecodeConfig field names; None = keep)."""
-        return self.decode.with_overrides(**overrides)
+        """The default decode settings with `overrides` (DecodeConfig field names; None = keep), checked
+        against the model (ConfigError: a setting it cannot honour)."""
+        return self.decode.with_overrides(**overrides).usable_by(self.model.decoder.detects_words)
 
     # --- captioning ---------------------------------------------------------------------------
 

@@ -55,6 +55,15 @@ class EnsembleDecoder(nn.Module):
         self._widths = [s.size(-1) for s in states]
         return torch.cat(states, dim=-1)
 
+    @property
+    def detects_words(self) -> bool:
+        return all(d.detects_words for d in self.members)
+
+    def word_log_probs(self, features: Tensor) -> Tensor:
+        """(B, L, D) grids -> (B, V) log of the members' mean detector probability of each word."""
+        logp = torch.stack([d.word_log_probs(features) for d in self.members])  # (M, B, V)
+        return torch.logsumexp(logp, dim=0) - math.log(len(self.members))
+
     def step(self, tokens: Tensor, state: Tensor, memory: EnsembleMemory) -> StepOutput:
         """(B,) previous words -> log of the members' mean word probabilities (B, V), mean attention
         (B, L), the new states side by side."""

@@ -9,6 +9,8 @@ search step for step, so the two return the same hypotheses (scores to float32 r
   ids (content words) not written twice;
 - one top-2K over each image's (K·V) candidates, beam = idx // V, token = idx % V; an <end> among
   the top K is a finished hypothesis scored logprob / length**penalty; the best K others go on;
+- with `decode.detector_weight` w, each image's logits gain w · log p(the photo shows the word) for
+  the content words before the log-softmax (`word_bias`);
 - an image is done with K finished hypotheses (fairseq's rule: K = 1 is greedy) and leaves the
   batch; after `max_length` words one more step may only end; an image none of whose beams ended
   returns its best live beams, unfinished.
@@ -109,6 +111,7 @@ class _Beams:
     features: np.ndarray  # (R, L, D)
     keys: np.ndarray  # (R, L, A)
     scores: np.ndarray  # (n, K) float32 summed log-probs
+    bias: np.ndarray | None  # (n, V) float32 added to each image's logits (`word_bias`), or None
     words: np.ndarray  # (R, t) int64
     history: np.ndarray  # (R, t, L) float32 maps
 
@@ -116,6 +119,7 @@ class _Beams:
         """Drop the images not in `going` (positions in `ids`); returns the kept rows."""
         rows = (np.asarray(going)[:, None] * K + np.arange(K)).reshape(-1)  # (n'·K,)
         self.ids = [self.ids[b] for b in going]
+        self.bias = None if self.bias is None else self.bias[going]
         self.features, self.keys = self.features[rows], self.keys[rows]
         self.words, self.history = self.words[rows], self.history[rows]
         return rows
@@ -159,12 +163,14 @@ class _Rules:
 def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, beam_size: int,
                 max_length: int, start_id: int, end_id: int, banned_ids: Sequence[int] = (),
                 length_penalty: float = 1.0, no_repeat_ngram: int = 0, min_length: int = 0, n_best: int = 1,
-                no_end_after: Sequence[int] = (), once: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                no_end_after: Sequence[int] = (), once: Sequence[int] = (),
+                word_bias: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """Beam search over a batch of B images: the best `n_best` hypotheses of each, best first.
 
     Args:
         step: one decoder step (see `Step`).
         features, keys, initial: the decoder's memory of each image, (B, L, D), (B, L, A), (B, S).
+        word_bias: (B, V) added to every step's logits of each image's beams (`word_bias`), or None.
         the rest: as `captioner.decoding.search.beam_search`.
     """
     if not 1 <= n_best <= beam_size:
@@ -174,7 +180,8 @@ def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.
     scores = np.full((B, K), NEG_INF, dtype=np.float32)
     scores[:, 0] = 0.0  # only beam 0 is live at the start: the K beams would be identical
     beams = _Beams(list(range(B)), np.full(B * K, start_id, dtype=np.int64), initial[image_of_row],
-                   features[image_of_row], keys[image_of_row], scores, np.empty((B * K, 0), dtype=np.int64),
+                   features[image_of_row], keys[image_of_row], scores, word_bias,
+                   np.empty((B * K, 0), dtype=np.int64),
                    np.empty((B * K, 0, L), dtype=np.float32))
     finals: list[list[Hypothesis]] = [[] for _ in range(B)]
     rules = _Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, once)
@@ -182,6 +189,8 @@ def beam_search(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.
         n = len(beams.ids)
         logits, alpha, state = step(beams.tokens, beams.state, beams.features, beams.keys)  # (R, V), (R, L), (R, S)
         V = logits.shape[1]
+        if beams.bias is not None:
+            logits = (logits.reshape(n, K, V) + beams.bias[:, None]).reshape(n * K, V)
         logp = rules.log_probs(logits, beams.words, t)  # (R, V)
         cand = (beams.scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K·V)
         top_scores, top_idx = _top(cand, min(2 * K, K * V))  # (n, 2K): K live beams survive any K <end>s
@@ -247,16 +256,28 @@ def _results(finals: list[list[Hypothesis]], beams: _Beams, K: int, n_best: int,
 
 
 def decode_n_best(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, cfg: DecodeConfig,
-                  vocab: Vocabulary, n_best: int) -> list[list[Hypothesis]]:
+                  vocab: Vocabulary, n_best: int, word_log_probs: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """`search.decode_n_best` over a step function: never <pad>, <start> or <unk>, at least one word,
     no <end> after a function word when `cfg.no_dangling`, no content word twice when
-    `cfg.no_repeat_words`; each image's best `n_best`, best first."""
+    `cfg.no_repeat_words`, the word detector's (B, V) `word_log_probs` weighted in by
+    `cfg.detector_weight`; each image's best `n_best`, best first."""
+    if cfg.detector_weight and word_log_probs is None:
+        raise ValueError("decode.detector_weight needs the word detector's log-probabilities")
+    bias = word_bias(cfg.detector_weight, word_log_probs, vocab) if cfg.detector_weight else None
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
     function_ids = vocab.function_ids() if cfg.no_dangling else []
     once = vocab.content_ids() if cfg.no_repeat_words else []
     return beam_search(step, features, keys, initial, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id,
                        banned, length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
-                       n_best=n_best, no_end_after=function_ids, once=once)
+                       n_best=n_best, no_end_after=function_ids, once=once, word_bias=bias)
+
+
+def word_bias(weight: float, word_log_probs: np.ndarray, vocab: Vocabulary) -> np.ndarray:
+    """(B, V) log p(the photo shows the word) -> (B, V) float32 `weight` times it for the content
+    words, 0 for the others (as `search.word_bias`)."""
+    content = np.zeros(len(vocab), dtype=np.float32)
+    content[vocab.content_ids()] = 1.0
+    return (weight * word_log_probs * content).astype(np.float32)
 
 
 def force_text(step: Step, features: np.ndarray, keys: np.ndarray, initial: np.ndarray, ids: Sequence[int],

@@ -22,7 +22,10 @@ named functions, as fairseq's `SequenceGenerator` has them: `_expand`, `_top_can
 
 Log-probabilities come from a float32 log-softmax over the full vocabulary; banned ids
 (`<pad>`, `<start>`, `<unk>` in `decode`) are set to -inf *after* it (`rules.ban`, which sampling uses
-too), so a score is the model's own probability of the words it wrote. Callers put the decoder in
+too), so a score is the model's own probability of the words it wrote; with `decode.detector_weight`
+w, the logits first gain w · log p(the photo shows the word) for every content word (`word_bias`:
+shallow fusion with the decoder's word detector, a product of the two models renormalised), so a
+content word the detector does not see in the photo costs more. Callers put the decoder in
 eval mode (dropout off) and run under `torch.inference_mode()`; these functions also disable
 autograd themselves. Nothing here picks a device: every tensor follows `features`.
 """
@@ -85,6 +88,7 @@ class _Beams(NamedTuple):
     hidden: Tensor  # (R, H)
     memory: Memory  # each image's, read by its K rows (`Memory.expand`)
     scores: Tensor  # (n, K) summed log-probs; -inf for a beam not live
+    bias: Tensor | None  # (n, V) added to each image's logits (`word_bias`), or None
     words: Tensor  # (R, t)
     history: Tensor  # (R, t, L) float32: the attention of the step that wrote each word
 
@@ -103,7 +107,7 @@ class _Top(NamedTuple):
 def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max_length: int, start_id: int,
                 end_id: int, banned_ids: Sequence[int] = (), length_penalty: float = 1.0, no_repeat_ngram: int = 0,
                 min_length: int = 0, n_best: int = 1, no_end_after: Sequence[int] = (),
-                once: Sequence[int] = ()) -> list[list[Hypothesis]]:
+                once: Sequence[int] = (), word_bias: Tensor | None = None) -> list[list[Hypothesis]]:
     """Beam search over a batch of images; the best `n_best` hypotheses per image, best first.
 
     Args:
@@ -119,6 +123,7 @@ def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max
         n_best: hypotheses returned per image (at most beam_size).
         no_end_after: ids after which <end> is not allowed (function words: no "a man riding a").
         once: ids written at most once per caption (content words: no "a man wearing a hat and a hat").
+        word_bias: (B, V) added to every step's logits of each image's beams (`word_bias`), or None.
     Returns:
         B lists, in input order, each the image's finished hypotheses by score (the first found on
         ties), at most `n_best`; an image none of whose beams ended gets its best live beams instead.
@@ -127,11 +132,12 @@ def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max
         raise ValueError(f"n_best {n_best}: expected 1 to beam_size ({beam_size})")
     K, rules = beam_size, Rules(banned_ids, end_id, min_length, no_repeat_ngram, no_end_after, once,
                                  features.device)
-    beams = _expand(decoder, features, K, start_id)
+    beams = _expand(decoder, features, K, start_id, word_bias)
     finals: list[list[Hypothesis]] = [[] for _ in range(features.size(0))]
     for t in range(max_length + 1):
         out = decoder.step(beams.tokens, beams.hidden, beams.memory)  # logits (R, V), alpha (R, L), hidden (R, H)
-        top = _top_candidates(beams.scores, rules.log_probs(out.logits, beams.words, t), K, end_id)
+        logits = out.logits if beams.bias is None else _biased(out.logits, beams.bias, K)
+        top = _top_candidates(beams.scores, rules.log_probs(logits, beams.words, t), K, end_id)
         if top.any_end:  # an <end> within an image's top K ranks: a finished hypothesis
             _finalize(finals, beams, K, top, length_penalty)
         if t == max_length:
@@ -146,7 +152,13 @@ def beam_search(decoder: AttentionDecoder, features: Tensor, beam_size: int, max
     return [_best(finals[i], beams, i, n_best, length_penalty) for i in range(features.size(0))]
 
 
-def _expand(decoder: AttentionDecoder, features: Tensor, K: int, start_id: int) -> _Beams:
+def _biased(logits: Tensor, bias: Tensor, K: int) -> Tensor:
+    """(n·K, V) logits + each image's (n, V) bias on its K rows."""
+    n, V = bias.shape
+    return (logits.float().view(n, K, V) + bias.unsqueeze(1)).view(n * K, V)
+
+
+def _expand(decoder: AttentionDecoder, features: Tensor, K: int, start_id: int, bias: Tensor | None) -> _Beams:
     """The memory once per image, expanded to B·K rows; only beam 0 live (the K would be identical)."""
     B, L, _ = features.shape
     device = features.device
@@ -155,7 +167,7 @@ def _expand(decoder: AttentionDecoder, features: Tensor, K: int, start_id: int) 
     scores = torch.full((B, K), NEG_INF, dtype=torch.float32, device=device)  # (B, K)
     scores[:, 0] = 0.0
     return _Beams(list(range(B)), torch.full((B * K,), start_id, dtype=torch.long, device=device), hidden,
-                  memory.expand(K), scores, torch.empty(B * K, 0, dtype=torch.long, device=device),
+                  memory.expand(K), scores, bias, torch.empty(B * K, 0, dtype=torch.long, device=device),
                   torch.empty(B * K, 0, L, dtype=torch.float32, device=device))
 
 
@@ -174,7 +186,8 @@ def _prune(beams: _Beams, top: _Top, hidden: Tensor, alpha: Tensor, going: list[
     """Only the rows of the images still `going` (their indices among the n): done images leave the batch."""
     sel = torch.tensor(going, device=hidden.device)  # (n',)
     rows = (sel.unsqueeze(1) * K + torch.arange(K, device=hidden.device)).view(-1)  # (n'·K,)
-    kept = beams._replace(ids=[beams.ids[b] for b in going], memory=beams.memory.select_images(sel, K),
+    bias = None if beams.bias is None else beams.bias.index_select(0, sel)
+    kept = beams._replace(ids=[beams.ids[b] for b in going], memory=beams.memory.select_images(sel, K), bias=bias,
                           words=beams.words.index_select(0, rows), history=beams.history.index_select(0, rows))
     top = _Top(*(x.index_select(0, sel) for x in top[:4]), top.any_end)
     return kept, top, hidden.index_select(0, rows), alpha.index_select(0, rows)
@@ -238,8 +251,17 @@ def decode_n_best(decoder: AttentionDecoder, features: Tensor, cfg: DecodeConfig
                   n_best: int) -> list[list[Hypothesis]]:
     """`decode`, keeping each image's best `n_best` (<= cfg.beam_size) hypotheses, best first."""
     banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
+    bias = word_bias(cfg.detector_weight, decoder.word_log_probs(features), vocab) if cfg.detector_weight else None
     function_ids = vocab.function_ids() if cfg.no_dangling else []
     once = vocab.content_ids() if cfg.no_repeat_words else []
     return beam_search(decoder, features, cfg.beam_size, cfg.max_length, vocab.start_id, vocab.end_id, banned,
                        length_penalty=cfg.length_penalty, no_repeat_ngram=cfg.no_repeat_ngram, min_length=1,
-                       n_best=n_best, no_end_after=function_ids, once=once)
+                       n_best=n_best, no_end_after=function_ids, once=once, word_bias=bias)
+
+
+def word_bias(weight: float, word_log_probs: Tensor, vocab: Vocabulary) -> Tensor:
+    """(B, V) log p(the photo shows the word) from the word detector -> (B, V) float32 `weight` times it
+    for the content words (`Vocabulary.content_ids`), 0 for the function words and the specials."""
+    content = torch.zeros(len(vocab), device=word_log_probs.device)
+    content[vocab.content_ids()] = 1.0
+    return weight * word_log_probs.float() * content  # (B, V)

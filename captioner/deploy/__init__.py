@@ -1,8 +1,8 @@
 """Deploying a model without its training code's costs: ONNX graphs and ONNX Runtime inference.
 
-    export.py    `export_onnx(checkpoint, folder)`: encoder, memory and step graphs + manifest, verified
+    export.py    `export_onnx(checkpoint, folder)`: encoder, memory, step (and words) graphs + manifest, verified
     quantize.py  the encoder in int8 (static quantization calibrated on photos), for `export --quantize int8`
-    step.py      the decoder's memory and step rewritten for inference graphs (token tables)
+    step.py      the decoder's memory, step and word detector rewritten for inference graphs (token tables)
     weights.py   the decoder's weights stored in float16 or int8, for `export --small`
     encoder.py   the feature cache built with ONNX Runtime
     runtime.py   `onnx_captioner(folder)`: a `Captioner` whose encoder and decoder steps run in ONNX Runtime
@@ -17,9 +17,11 @@ from __future__ import annotations
 from captioner.errors import CaptionerError
 
 MANIFEST = "manifest.json"
-EXPORT_VERSION = 3  # 2: memory/step from `deploy.step` (keys doubled, token tables); 3: manifest data + precision
+# 2: memory/step from `deploy.step` (keys doubled, token tables); 3: manifest data + precision; 4: words.onnx
+EXPORT_VERSION = 4
 OPSET = 18
 GRAPHS = ("encoder", "memory", "step")
+WORDS = "words"  # the word detector's graph, for decode.detector_weight: exported when the decoder has one
 SMALL_WEIGHTS = ("float16", "int8")  # how `export --small` stores the decoder's weights (`deploy.weights`)
 CALIBRATION_IMAGES = 64  # the most photos an int8 encoder is calibrated on (evenly spaced over those given)
 

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from captioner.deploy import FormatError, require_onnx
-from captioner.deploy.runtime import encode_in_chunks, ort_session
+from captioner.deploy.folder import ort_session
+from captioner.deploy.runtime import encode_in_chunks
 from captioner.files import cache_home
 from captioner.model.encoder import Encoder
 from captioner.device import resolve_device

@@ -1,9 +1,11 @@
-"""`captioner export --format onnx`: a checkpoint as three ONNX graphs and a manifest.
+"""`captioner export --format onnx`: a checkpoint as three or four ONNX graphs and a manifest.
 
     encoder.onnx   pixels (B, 3, S, S) -> grid (B, L, D_enc)                          the CNN
     memory.onnx    grid (B, L, D_enc) -> features (B, L, D), keys (B, L, A), state (B, S_h)   once per image
     step.onnx      tokens (R,), state (R, S_h), features (R, L, D), keys (R, L, A)
                    -> logits (R, V), alpha (R, L), state (R, S_h)                      one word
+    words.onnx     grid (B, L, D_enc) -> (B, V) log p(the photo shows each word)      the word detector,
+                   for `decode.detector_weight` (only for a decoder that has one)
     manifest.json  vocabulary, decode defaults, grid and cell geometry, preprocessing, versions
 
 memory and step are the decoder rewritten for inference (`captioner.deploy.step`: token tables; their
@@ -33,7 +35,7 @@ from torch import Tensor, nn
 from captioner.config import DecodeConfig
 from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, SMALL_WEIGHTS, FormatError, require_onnx
 from captioner.deploy.quantize import calibration_pixels, quantize_encoder, relative_difference
-from captioner.deploy.step import InferenceMemory, InferenceStep
+from captioner.deploy.step import InferenceMemory, InferenceStep, InferenceWords
 from captioner.deploy.weights import round_weights, store_weights
 from captioner.files import atomic_write_text, staged_files, writable_dir
 from captioner.model.caption_model import CaptionModel
@@ -44,6 +46,17 @@ from captioner.model.memory import Memory
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4  # largest difference from torch accepted, on any output
 HALF_TOLERANCE = 0.01  # largest relative difference of a float16 encoder's grids accepted (Lite0: 0.26%)
+
+
+class _ReferenceWords(nn.Module):
+    """The training decoder's own `word_log_probs`: what words.onnx must match."""
+
+    def __init__(self, decoder: AttentionDecoder) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, grid: Tensor) -> Tensor:
+        return self.decoder.word_log_probs(grid)
 
 
 class _ReferenceStep(nn.Module):
@@ -221,7 +234,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
             features, keys, state = memory(grid)
             state = state + 0.1 * torch.randn(state.shape, generator=generator)  # not only the start state
         tokens = torch.randint(4, len(ckpt.vocab), (batch,), generator=generator)
-        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys)}
+        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys), "words": (grid,)}
 
     memory = InferenceMemory(dec)
     graphs = {  # name: (what is exported, what it must match, input names, output names)
@@ -229,6 +242,8 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
         "memory": (memory, memory, ["grid"], ["features", "keys", "state"]),
         "step": (InferenceStep(dec, tables=not small), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
                  ["logits", "alpha", "new_state"])}
+    if dec.concepts is not None:
+        graphs["words"] = (InferenceWords(dec), _ReferenceWords(dec), ["grid"], ["log_probs"])
     traced, checks = examples(2), [examples(1), examples(5)]
     with staged_files(out, last=MANIFEST) as stage:  # a refused export leaves `out` as it was
         differences = _export_graphs(graphs, traced, checks, stage, out, small)
@@ -240,5 +255,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
             raise FormatError(f"{checkpoint}: {e}") from None
         record = manifest(ckpt, model, str(checkpoint), {**precision, **shrunk}, defaults)
         atomic_write_text(stage / MANIFEST, json.dumps(record, indent=1))
+    if "words" not in graphs:  # an earlier export's word detector into `out` is not this model's
+        (out / "words.onnx").unlink(missing_ok=True)
     files = [out / f"{name}.onnx" for name in graphs] + [out / MANIFEST]
     return ExportReport(out, files, differences, encoder_difference)

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from captioner.deploy import FormatError
-from captioner.deploy.folder import encode_chunks, ort_session
+from captioner.deploy import WORDS, FormatError
+from captioner.deploy.folder import encode_chunks, graph_sessions
 from captioner.model.grid import Cells
 
 # torchvision's InterpolationMode values (what the manifest records) -> Pillow's filters, as
@@ -64,10 +64,18 @@ class LiteEncoder:
 
 
 class LiteDecoder:
-    """memory.onnx and step.onnx."""
+    """memory.onnx and step.onnx, and words.onnx when exported (`detects_words`)."""
 
-    def __init__(self, memory: Any, step: Any) -> None:
-        self.memory_session, self.step_session = memory, step
+    def __init__(self, memory: Any, step: Any, words: Any | None = None) -> None:
+        self.memory_session, self.step_session, self.words_session = memory, step, words
+
+    @property
+    def detects_words(self) -> bool:
+        return self.words_session is not None
+
+    def word_log_probs(self, grid: np.ndarray) -> np.ndarray:
+        """grid (B, L, D_enc) -> (B, V) log p(the photo shows each word), from the word detector."""
+        return self.words_session.run(None, {"grid": np.ascontiguousarray(grid, np.float32)})[0]
 
     def memory(self, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """grid (B, L, D_enc) -> features (B, L, D), keys (B, L, A) = 2·W1·features, initial state (B, S_h)."""
@@ -92,9 +100,7 @@ class LiteModel:
 
 
 def load_graphs(folder: Path, spec: dict[str, Any], threads: int) -> LiteModel:
-    """Sessions for the folder's graphs: the encoder's convolutions on `threads`; a decoder step is a
-    few small matrix products, which a second thread only slows down (its sync costs more than the
-    work: 84 vs 19 images/s of beam search at batch 1)."""
-    sessions = {g: ort_session(folder / f"{g}.onnx", threads if g == "encoder" else 1)
-                for g in ("encoder", "memory", "step")}
-    return LiteModel(LiteEncoder(sessions["encoder"], spec), LiteDecoder(sessions["memory"], sessions["step"]))
+    """The folder's graphs (`graph_sessions`), the encoder's on `threads`."""
+    sessions = graph_sessions(folder, threads)
+    return LiteModel(LiteEncoder(sessions["encoder"], spec),
+                     LiteDecoder(sessions["memory"], sessions["step"], sessions.get(WORDS)))

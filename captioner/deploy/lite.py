@@ -63,8 +63,9 @@ class LiteCaptioner:
         self.image_side: int = model.encoder.image_size
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
-        """The default decode settings with `overrides` (DecodeConfig field names; None = keep)."""
-        return self.decode.with_overrides(**overrides)
+        """The default decode settings with `overrides` (DecodeConfig field names; None = keep), checked
+        against the model (ConfigError: a setting it cannot honour)."""
+        return self.decode.with_overrides(**overrides).usable_by(self.model.decoder.detects_words)
 
     def _settings(self, alternatives: int, text: str | None,
                   overrides: dict[str, Any]) -> tuple[DecodeConfig, list[int] | None]:
@@ -148,7 +149,8 @@ class LiteCaptioner:
         (cfg, ids), decoder = settings, self.model.decoder
         features, keys, initial = decoder.memory(grid)
         if ids is None:
-            ranked = decode_n_best(decoder.step, features, keys, initial, cfg, self.vocab, alternatives + 1)
+            words = decoder.word_log_probs(grid) if cfg.detector_weight else None  # (B, V)
+            ranked = decode_n_best(decoder.step, features, keys, initial, cfg, self.vocab, alternatives + 1, words)
         else:
             forced = force_text(decoder.step, features, keys, initial, ids, self.vocab, cfg.length_penalty)
             ranked = [[h] for h in forced]

@@ -108,7 +108,8 @@ def _working_directory(path: Path) -> Iterator[None]:
 
 def relative_difference(fp32: Path, int8: Path, pixels: np.ndarray) -> float:
     """‖int8(pixels) − fp32(pixels)‖ / ‖fp32(pixels)‖ over every grid value."""
-    from captioner.deploy.runtime import encode_in_chunks, ort_session
+    from captioner.deploy.folder import ort_session
+    from captioner.deploy.runtime import encode_in_chunks
 
     images = torch.from_numpy(pixels)
     want, got = (encode_in_chunks(ort_session(path, 1), images) for path in (fp32, int8))  # (N, L, D) each

@@ -23,8 +23,8 @@ from captioner.config import DataConfig, DecodeConfig
 from captioner.config.parse import from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.decoding.captioner import Captioner
-from captioner.deploy import GRAPHS, FormatError, require_onnx
-from captioner.deploy.folder import encode_chunks, exported, ort_session, read_manifest
+from captioner.deploy import WORDS, FormatError, require_onnx
+from captioner.deploy.folder import encode_chunks, exported, graph_sessions, read_manifest
 from captioner.model.decoder import StepOutput
 from captioner.model.encoder import Cells, eval_transform
 from captioner.model.memory import Memory
@@ -66,11 +66,19 @@ class OnnxMemory(Memory):
 
 
 class OnnxDecoder:
-    """memory.onnx and step.onnx as the decoder interface beam search uses."""
+    """memory.onnx and step.onnx (and words.onnx, when exported) as the decoder interface beam search uses."""
 
-    def __init__(self, memory: Any, step: Any) -> None:
-        self.memory_session, self.step_session = memory, step
+    def __init__(self, memory: Any, step: Any, words: Any | None = None) -> None:
+        self.memory_session, self.step_session, self.words_session = memory, step, words
         self.training = False
+
+    @property
+    def detects_words(self) -> bool:
+        return self.words_session is not None
+
+    def word_log_probs(self, grid: Tensor) -> Tensor:
+        """(B, L, D_enc) -> (B, V) log p(the photo shows each word), from words.onnx."""
+        return torch.from_numpy(self.words_session.run(None, {"grid": grid.float().contiguous().numpy()})[0])
 
     def memory(self, grid: Tensor) -> OnnxMemory:
         features, keys, state = self.memory_session.run(None, {"grid": grid.float().contiguous().numpy()})
@@ -116,12 +124,8 @@ def onnx_captioner(source: str | Path, decode: DecodeConfig | None = None, threa
     require_onnx()
     folder = exported(source)
     manifest = read_manifest(folder)
-    threads = threads or torch.get_num_threads()
-    # The encoder's convolutions spread over `threads`; a decoder step is a few small matrix products,
-    # which a second thread only slows down (its sync costs more than the work: 84 vs 19 images/s of
-    # beam search at batch 1).
-    sessions = {g: ort_session(folder / f"{g}.onnx", threads if g == "encoder" else 1) for g in GRAPHS}
+    sessions = graph_sessions(folder, threads or torch.get_num_threads())
     model = OnnxModel(OnnxEncoder(sessions["encoder"], manifest["encoder"]),
-                      OnnxDecoder(sessions["memory"], sessions["step"]))
+                      OnnxDecoder(sessions["memory"], sessions["step"], sessions.get(WORDS)))
     return Captioner(model, Vocabulary.from_list(manifest["vocabulary"]),  # type: ignore[arg-type]
                      decode or DecodeConfig(**manifest["decode"]), "cpu", manifest.get("meta", {}))

@@ -1,4 +1,5 @@
-"""The decoder's memory and step rewritten for inference graphs: the same function, less work a word.
+"""The decoder's memory, step and word detector rewritten for inference graphs: the same function, less
+work a word.
 
 `AttentionDecoder.step` is written for training (one module per idea, a readout over the concatenated
 [h; context; embedding]). Exported as it is, a beam-search step at 160 rows spends most of its time
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from captioner.model.concepts import noisy_or
 from captioner.model.decoder import AttentionDecoder
 
 READOUT_TABLE_MAX_VOCAB = 4096  # a (V, V) float32 table: 64 MiB at 4096 words
@@ -42,6 +44,23 @@ class InferenceMemory(nn.Module):
     def forward(self, grid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         memory = self.decoder.memory(grid)
         return memory.features, memory.keys, self.decoder.init_hidden(memory)
+
+
+class InferenceWords(nn.Module):
+    """grid (B, L, D_enc) -> (B, V) log p(the photo shows each word): `AttentionDecoder.word_log_probs`,
+    with the detector's rows of the outputs the words read taken once (a group's words share one)."""
+
+    def __init__(self, decoder: AttentionDecoder) -> None:
+        super().__init__()
+        with torch.no_grad():
+            outputs = torch.unique(decoder.detector_slots)  # (K,) ascending
+            self.weight = _frozen(decoder.concepts.weight[outputs])  # (K, D_enc)
+            self.bias = _frozen(decoder.concepts.bias[outputs])  # (K,)
+            self.register_buffer("column", torch.searchsorted(outputs, decoder.detector_slots))  # (V,) word -> k
+
+    def forward(self, grid: Tensor) -> Tensor:
+        log_present, _ = noisy_or(grid @ self.weight.T + self.bias)  # (B, K)
+        return log_present[:, self.column]  # (B, V)
 
 
 class InferenceStep(nn.Module):

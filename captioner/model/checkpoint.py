@@ -1,7 +1,7 @@
 """Checkpoints: one file with everything needed to rebuild and use (or resume) a model.
 
 Layout of the file (a dict, loadable with `torch.load(..., weights_only=True)`):
-    format: "captioner", version: 2
+    format: "captioner", version: 3
     config: the run's whole config as nested dicts (model, data, train, decode), stored once
     vocab: list[str], the vocabulary in id order
     model: the CaptionModel state dict
@@ -9,7 +9,8 @@ Layout of the file (a dict, loadable with `torch.load(..., weights_only=True)`):
                  data order); only tensors and plain Python values
     meta: small dict of facts for people (metrics, best step, split sizes, ...)
 
-Version 1 files (a `model_config`, and the run config copied into train_state and meta) load too.
+Version 1 files (a `model_config`, and the run config copied into train_state and meta) and version 2
+files (no `decoder.detector_slots`) load too.
 Writing goes to a temporary file in the same folder, fsynced, then renamed over the target, so
 a reader (or a crash) never sees half a checkpoint. Loading is here and nowhere else.
 """
@@ -31,11 +32,12 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError
 from captioner.files import atomic_open
 from captioner.model.caption_model import CaptionModel, build_model
+from captioner.model.concepts import INITIAL_DETECTOR_BIAS, concept_slots
 
 log = logging.getLogger(__name__)
 
 FORMAT = "captioner"
-VERSION = 2
+VERSION = 3
 
 
 class CheckpointError(CaptionerError):
@@ -97,8 +99,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: not a captioner checkpoint (no 'format: {FORMAT}' marker)")
     if payload.get("version") == 1:
         payload = _upgrade_v1(payload)
+    if payload.get("version") == 2:
+        payload = _upgrade_v2(payload)
     if payload.get("version") != VERSION:
-        raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}, this code reads 1 and {VERSION}")
+        raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}, this code reads 1 to {VERSION}")
     missing = [k for k in ("config", "vocab", "model") if k not in payload]
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing)}")
@@ -167,8 +171,24 @@ def _upgrade_v1(payload: dict[str, Any]) -> dict[str, Any]:
     decoder = (config.get("model") or {}).get("decoder") or {}
     if isinstance(state, dict) and decoder.get("init_pooling") == "none":  # v1 built an unused init_h
         state = {k: v for k, v in state.items() if not k.startswith("decoder.init_h.")}
-    return {**payload, "version": VERSION, "config": config, "model": state, "train_state": train_state,
-            "meta": meta}
+    return {**payload, "version": 2, "config": config, "model": state, "train_state": train_state, "meta": meta}
+
+
+def _upgrade_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    """A version 2 payload as version 3: a word detector's `decoder.detector_slots` (which output stands
+    for each word), which version 2 did not save, recovered from the weights. Grouped training never
+    trains a grouped word's own output (`concepts.concept_slots`: "man" reads "person"), so those keep
+    their initial bias exactly; the run's `train.concept_groups` cannot say, since a self-critical run
+    from a grouped model recorded its own setting, not the detector's."""
+    state = payload.get("model")
+    if isinstance(state, dict) and "decoder.concepts.bias" in state and isinstance(payload.get("vocab"), list):
+        bias = state["decoder.concepts.bias"]
+        grouped = concept_slots(Vocabulary.from_list(payload["vocab"]), grouped=True)
+        members = grouped != torch.arange(len(grouped))  # words that read another word's output when grouped
+        untrained = bias == INITIAL_DETECTOR_BIAS
+        state = {**state, "decoder.detector_slots": grouped if bool(members.any() and untrained[members].all())
+                 else torch.arange(len(grouped))}
+    return {**payload, "version": 3, "model": state}
 
 
 def restore_model(ckpt: Checkpoint, path: str | Path = "checkpoint") -> CaptionModel:

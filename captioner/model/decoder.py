@@ -27,7 +27,8 @@ With `concepts` a linear word detector scores every region of the encoder's grid
 of the vocabulary (multiple-instance learning from the captions alone, Fang et al. 2015: a word is
 in a photo's captions when some region shows it). Training pulls the attention of the step that
 writes a content word towards where its detector fires (`train.concept_weight`); the decoder never
-reads the detector, so the maps stay what the decoder used.
+reads the detector, so the maps stay what the decoder used; decoding may add a content word's
+photo-level log-probability to its score (`word_log_probs`, `decode.detector_weight`).
 
 Before all of this, once per image, the regions are projected from the encoder's width to
 `feature_dim` (ReLU(Linear)) and given learned row + column embeddings. CNN features say *what*
@@ -43,6 +44,7 @@ from torch import Tensor, nn
 
 from captioner.config import DecoderConfig
 from captioner.model.attention import AttentionPool, BahdanauAttention
+from captioner.model.concepts import INITIAL_DETECTOR_BIAS, noisy_or
 from captioner.model.memory import Memory
 
 
@@ -123,7 +125,10 @@ class AttentionDecoder(nn.Module):
         self.cell = nn.GRUCell(E + D + (D if cfg.global_context else 0), H)
         self.concepts = nn.Linear(feature_dim, vocab_size) if cfg.concepts else None
         if self.concepts is not None:
-            nn.init.constant_(self.concepts.bias, -6.0)  # a word is rare in a region: noisy-OR starts near 0
+            nn.init.constant_(self.concepts.bias, INITIAL_DETECTOR_BIAS)
+            # (V,) the detector output standing for each word (`concepts.concept_slots`: grouped words share
+            # one), saved with the weights: a model fine-tuned from this one reads its detector the same way
+            self.register_buffer("detector_slots", torch.arange(vocab_size))
         self.dropout = nn.Dropout(cfg.dropout)
         self.readout = nn.Linear(H + D + E, vocab_size)
 
@@ -240,6 +245,20 @@ class AttentionDecoder(nn.Module):
         step = torch.cat([torch.full((n,), t, dtype=torch.long, device=order.device) for t, n in enumerate(sizes)])
         concepts, detected = self._detect(features, detect)  # (N, L, K), (K,)
         return DecoderOutput(logits, torch.cat(alphas), caption, step, rows, concepts, features, detected)
+
+    @property
+    def detects_words(self) -> bool:
+        """The decoder has a word detector (`word_log_probs`)."""
+        return self.concepts is not None
+
+    def word_log_probs(self, features: Tensor) -> Tensor:
+        """(B, L, D_enc) encoder grids -> (B, V) float32 log p(the photo shows word w): the word
+        detector's noisy-OR over the regions, read at each word's output (`detector_slots`)."""
+        if self.concepts is None:
+            raise ValueError("this decoder has no word detector (model.decoder.concepts)")
+        outputs = torch.unique(self.detector_slots)  # (K,) ascending: a group's words share one
+        log_present, _ = noisy_or(self._detect(features, outputs)[0])  # (B, K)
+        return log_present[:, torch.searchsorted(outputs, self.detector_slots)]  # (B, V)
 
     def _detect(self, features: Tensor, detect: bool | Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The word detector's scores (N, L, K) of the outputs `detect` names (see `forward`), and

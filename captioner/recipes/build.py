@@ -37,6 +37,7 @@ from captioner.errors import CaptionerError
 from captioner.files import remove_stale_temporaries, writable_dir
 from captioner.model.caption_model import CaptionModel, build_model
 from captioner.model.checkpoint import Checkpoint, load_checkpoint, restore_model
+from captioner.model.concepts import concept_slots
 from captioner.model.encoder import Encoder
 from captioner.device import autocast_dtype
 from captioner.training.distributed import DistInfo, all_gather_objects, main_first
@@ -175,11 +176,16 @@ def build_run_model(cfg: Config, vocab: Vocabulary, encoder: Encoder | None, ini
     """The checkpoint's model (`train.init` or a resume), or a new one around `encoder`, with the same
     initial weights on every rank."""
     if init is not None:
-        return restore_model(init, cfg.train.init)
-    if resume is not None:
-        return restore_model(resume)
-    torch.manual_seed(cfg.train.seed)
-    return build_model(cfg.model, len(vocab), encoder=encoder)
+        model = restore_model(init, cfg.train.init)
+    elif resume is not None:
+        model = restore_model(resume)
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, len(vocab), encoder=encoder)
+        if cfg.model.decoder.concepts:  # which detector output each word trains (and decoding reads)
+            model.decoder.detector_slots.copy_(concept_slots(vocab, cfg.train.concept_groups))
+    cfg.decode.usable_by(model.decoder.detects_words)  # validation decodes as the run's decode section says
+    return model
 
 
 @dataclass

@@ -16,9 +16,10 @@ from torch import Tensor
 
 from captioner.config import TrainConfig
 from captioner.data.vocab import Vocabulary
+from captioner.model.concepts import concept_slots, noisy_or
 from captioner.model.decoder import DecoderOutput
 from captioner.training.boxes import box_attention
-from captioner.training.teachers import (ClothingPrior, ImageNetTeacher, Teacher, concept_slots, content_words,
+from captioner.training.teachers import (ClothingPrior, ImageNetTeacher, Teacher, content_words,
                                          detector_teacher, person_words)
 
 
@@ -120,8 +121,7 @@ def concept_detection(concepts: Tensor, tokens: Tensor, rows: Tensor, slots: Ten
     slot = tokens if slots is None else slots.to(tokens.device)[tokens]  # (B, T + 1)
     named = (slot[:, :, None] == outputs).any(dim=1).float()  # (B, K): caption b uses output k
     present = torch.zeros(N, K, device=concepts.device).index_add_(0, rows, named).clamp_(max=1.0)  # (N, K)
-    log_absent = -F.softplus(concepts.float()).sum(dim=1)  # (N, K) log prod (1 - sigmoid) = log(1 - p)
-    log_present = torch.log(-torch.expm1(log_absent.clamp(max=-1e-6)))  # (N, K) log p
+    log_present, log_absent = noisy_or(concepts)  # (N, K) log p, log (1 - p)
     nll = -(present * log_present + (1 - present) * log_absent)  # (N, K)
     used = outputs >= 4  # the four special ids are never words of a photo
     if slots is not None:

@@ -68,7 +68,9 @@ class SelfCritical:
         self.device, self.amp_dtype = device or torch.device("cpu"), amp_dtype
         self.initial = None if initial is None else initial.eval().requires_grad_(False)
         self.max_length = decode_cfg.max_length
-        self.beam_cfg = decode_cfg.with_overrides(beam_size=train_cfg.scst_samples)  # scst_sampling "beam"
+        # scst_sampling "beam": the K best beams as the decoder alone ranks them (no word detector fused in:
+        # the recipe's self-critical training was measured so)
+        self.beam_cfg = decode_cfg.with_overrides(beam_size=train_cfg.scst_samples, detector_weight=0.0)
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
         self.ref_ids = [[vocab.encode(c, decode_cfg.max_length) for c in refs] for refs in self.refs]

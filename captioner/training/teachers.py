@@ -35,20 +35,6 @@ def content_words(vocab: Vocabulary) -> Tensor:
     return mask
 
 
-def concept_slots(vocab: Vocabulary, grouped: bool) -> Tensor:
-    """(V,) int64: the detector's output that stands for each word. Grouped, the words naming one
-    kind of thing (a COCO category's words: man, woman, boy, girl... are all "person") share their
-    first word's output, so the detector learns "a person is here" from every photo whose captions
-    mention anyone, however they call them; else each word has its own."""
-    slots = torch.arange(len(vocab))
-    if grouped:
-        for words in COCO_WORDS.values():
-            ids = [vocab.id(w) for w in words if w in vocab and " " not in w]
-            for i in ids:
-                slots[i] = slots[ids[0]] if slots[i] == i else slots[i]  # a word in two groups keeps the first
-    return slots
-
-
 def person_words(vocab: Vocabulary) -> Tensor:
     """(V,) bool: the words that name a person (COCO's person category: man, woman, boy, people...)."""
     return torch.tensor([vocab.word(i) in COCO_WORDS["person"] for i in range(len(vocab))])
