@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from captioner.config import DecodeConfig
-from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, SMALL_WEIGHTS, FormatError, require_onnx
+from captioner.deploy import EXPORT_VERSION, MANIFEST, OPSET, SMALL_WEIGHTS, WORDS, FormatError, require_onnx
 from captioner.deploy.quantize import calibration_pixels, quantize_encoder, relative_difference
 from captioner.deploy.step import InferenceMemory, InferenceStep, InferenceWords
 from captioner.deploy.weights import round_weights, store_weights
@@ -164,6 +164,18 @@ def export_verified(module: nn.Module, example: tuple[Tensor, ...], inputs: list
     return difference
 
 
+def _graphs(model: CaptionModel, dec: AttentionDecoder, memory: InferenceMemory, tables: bool) -> dict[str, tuple]:
+    """name: (what is exported, what it must match, input names, output names); the word detector's
+    graph only for a decoder that has one."""
+    graphs = {"encoder": (model.encoder, model.encoder, ["pixels"], ["grid"]),  # (B, 3, S, S) -> (B, L, D_enc)
+              "memory": (memory, memory, ["grid"], ["features", "keys", "state"]),
+              "step": (InferenceStep(dec, tables=tables), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
+                       ["logits", "alpha", "new_state"])}
+    if dec.detects_words:
+        graphs[WORDS] = (InferenceWords(dec), _ReferenceWords(dec), ["grid"], ["log_probs"])  # (B, V)
+    return graphs
+
+
 def _export_graphs(graphs: dict[str, tuple], traced: dict, checks: list[dict], stage: Path, out: Path,
                    small: str | None) -> dict[str, float]:
     """Export and verify each graph into `stage` (`export_verified`), the decoder's weights stored as
@@ -234,16 +246,10 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
             features, keys, state = memory(grid)
             state = state + 0.1 * torch.randn(state.shape, generator=generator)  # not only the start state
         tokens = torch.randint(4, len(ckpt.vocab), (batch,), generator=generator)
-        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys), "words": (grid,)}
+        return {"encoder": (pixels,), "memory": (grid,), "step": (tokens, state, features, keys), WORDS: (grid,)}
 
     memory = InferenceMemory(dec)
-    graphs = {  # name: (what is exported, what it must match, input names, output names)
-        "encoder": (model.encoder, model.encoder, ["pixels"], ["grid"]),  # (B, 3, S, S) -> (B, L, D_enc)
-        "memory": (memory, memory, ["grid"], ["features", "keys", "state"]),
-        "step": (InferenceStep(dec, tables=not small), _ReferenceStep(dec), ["tokens", "state", "features", "keys"],
-                 ["logits", "alpha", "new_state"])}
-    if dec.concepts is not None:
-        graphs["words"] = (InferenceWords(dec), _ReferenceWords(dec), ["grid"], ["log_probs"])
+    graphs = _graphs(model, dec, memory, tables=not small)
     traced, checks = examples(2), [examples(1), examples(5)]
     with staged_files(out, last=MANIFEST) as stage:  # a refused export leaves `out` as it was
         differences = _export_graphs(graphs, traced, checks, stage, out, small)
@@ -255,7 +261,7 @@ def export_onnx(checkpoint: str | Path, out_dir: str | Path, seed: int = 0,
             raise FormatError(f"{checkpoint}: {e}") from None
         record = manifest(ckpt, model, str(checkpoint), {**precision, **shrunk}, defaults)
         atomic_write_text(stage / MANIFEST, json.dumps(record, indent=1))
-    if "words" not in graphs:  # an earlier export's word detector into `out` is not this model's
-        (out / "words.onnx").unlink(missing_ok=True)
+    if WORDS not in graphs:  # an earlier export's word detector into `out` is not this model's
+        (out / f"{WORDS}.onnx").unlink(missing_ok=True)
     files = [out / f"{name}.onnx" for name in graphs] + [out / MANIFEST]
     return ExportReport(out, files, differences, encoder_difference)
