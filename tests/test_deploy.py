@@ -428,3 +428,23 @@ def test_the_detector_weight_needs_a_word_detector_and_a_weight_in_range(exporte
         assert "\n" not in err and "--detector-weight" in err and "no word detector" in err
     assert main(["caption", str(image), "--checkpoint", str(checkpoint), "--detector-weight", "-1"]) == 2
     assert capsys.readouterr().err.strip().startswith("captioner: error: --detector-weight")
+
+
+def test_int8_quantization_keeps_the_first_convolutions_float(tmp_path):
+    """`quantize.FLOAT_CONVS`: the first convolutions (at most an eighth of a net's) read float32 weights; the
+    rest int8 ones (through DequantizeLinear)."""
+    import onnx
+
+    from captioner.deploy.export import export_graph
+    from captioner.deploy.quantize import quantize_encoder
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(m for _ in range(16) for m in (torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.ReLU6())))
+    net[0] = torch.nn.Conv2d(3, 4, 3, padding=1)
+    export_graph(net, (torch.rand(1, 3, 16, 16),), ["pixels"], ["grid"], tmp_path / "fp32.onnx")
+    quantize_encoder(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", np.random.default_rng(0).random((4, 3, 16, 16),
+                                                                                                   dtype=np.float32))
+    graph = onnx.load(str(tmp_path / "int8.onnx")).graph
+    made_by = {out: node.op_type for node in graph.node for out in node.output}
+    weights = [made_by.get(node.input[1], "initializer") for node in graph.node if node.op_type == "Conv"]
+    assert weights == ["initializer"] * 2 + ["DequantizeLinear"] * 14
