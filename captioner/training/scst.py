@@ -68,8 +68,9 @@ class SelfCritical:
         self.device, self.amp_dtype = device or torch.device("cpu"), amp_dtype
         self.initial = None if initial is None else initial.eval().requires_grad_(False)
         self.max_length = decode_cfg.max_length
-        # scst_sampling "beam": the K best beams as the decoder alone ranks them (no word detector fused in:
-        # the recipe's self-critical training was measured so)
+        # scst_sampling "beam": the K best beams as the decoder alone ranks them, without the word detector
+        # (`decode.detector_weight`): with it in the beams, SCST seeds 0 / 1 from the recipe's seed 0 scored dev
+        # CIDEr-D 0.588 / 0.583 against 0.603 / 0.603 (both decoded with it)
         self.beam_cfg = decode_cfg.with_overrides(beam_size=train_cfg.scst_samples, detector_weight=0.0)
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
