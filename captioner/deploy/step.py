@@ -53,10 +53,10 @@ class InferenceWords(nn.Module):
     def __init__(self, decoder: AttentionDecoder) -> None:
         super().__init__()
         with torch.no_grad():
-            outputs = torch.unique(decoder.detector_slots)  # (K,) ascending
+            outputs, column = decoder.word_outputs()  # (K,), (V,) word -> k
             self.weight = _frozen(decoder.concepts.weight[outputs])  # (K, D_enc)
             self.bias = _frozen(decoder.concepts.bias[outputs])  # (K,)
-            self.register_buffer("column", torch.searchsorted(outputs, decoder.detector_slots))  # (V,) word -> k
+            self.register_buffer("column", column)
 
     def forward(self, grid: Tensor) -> Tensor:
         log_present, _ = noisy_or(grid @ self.weight.T + self.bias)  # (B, K)

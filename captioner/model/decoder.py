@@ -254,11 +254,17 @@ class AttentionDecoder(nn.Module):
     def word_log_probs(self, features: Tensor) -> Tensor:
         """(B, L, D_enc) encoder grids -> (B, V) float32 log p(the photo shows word w): the word
         detector's noisy-OR over the regions, read at each word's output (`detector_slots`)."""
+        outputs, column = self.word_outputs()
+        log_present, _ = noisy_or(self._detect(features, outputs)[0])  # (B, K)
+        return log_present[:, column]  # (B, V)
+
+    def word_outputs(self) -> tuple[Tensor, Tensor]:
+        """The detector outputs the words read, (K,) ascending (a group's words share one), and each
+        word's position among them, (V,)."""
         if self.concepts is None:
             raise ValueError("this decoder has no word detector (model.decoder.concepts)")
-        outputs = torch.unique(self.detector_slots)  # (K,) ascending: a group's words share one
-        log_present, _ = noisy_or(self._detect(features, outputs)[0])  # (B, K)
-        return log_present[:, torch.searchsorted(outputs, self.detector_slots)]  # (B, V)
+        outputs = torch.unique(self.detector_slots)  # (K,)
+        return outputs, torch.searchsorted(outputs, self.detector_slots)
 
     def _detect(self, features: Tensor, detect: bool | Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The word detector's scores (N, L, K) of the outputs `detect` names (see `forward`), and
