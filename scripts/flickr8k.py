@@ -6,8 +6,8 @@ the pointing game on the hand-boxed dev photos), with each stage's wall time and
 
 Each stage is the `captioner` command a user would type, run as its own process; a stage whose
 output already exists is skipped (so a second run only re-scores), unless --fresh. Both models are
-scored, and the better one bundled, with the decode settings of the cross-entropy config as it is
-now (a run trained before they changed is scored as the recipe decodes today). Prints one
+scored, and the better one bundled, with the decode settings of its own config as it is now (a run
+trained before they changed is scored as the recipe decodes today). Prints one
 table: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D, distinct words, grounding hit rate and mass (with the
 centre-point and even-map baselines) and minutes, for the cross-entropy and the SCST model.
 """
@@ -67,6 +67,7 @@ def row(report: dict) -> dict[str, float]:
     m, g = report["metrics"], report.get("grounding") or {}
     out = {k: m.get(k, float("nan")) for k in ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")}
     out["words"] = report["diversity"]["distinct_words"]
+    out["beam"] = report["decode"]["beam_size"]
     every = g.get("all", {})
     out.update(hit=every.get("hit_rate", float("nan")), centre=every.get("centre_hit_rate", float("nan")),
                mass=every.get("mean_mass", float("nan")), even=every.get("even_mass", float("nan")))
@@ -100,24 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.scst_config and not (scst / "best.pt").exists():
         minutes["scst"] = stage("scst", CAPTIONER + commands["scst"], env, out / "scst.log") / 60
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
-    decode = load_config(args.config).decode
-    decoding = decode_flags(decode)
+    decodings = stage_decodings(args, xent)
+    runs = {"cross-entropy": xent, "SCST": scst}
     rows = {}
-    for name, run in (("cross-entropy", xent), ("SCST", scst)):
+    for name, run in runs.items():
         if not (run / "best.pt").exists():
             continue
         report = out / f"dev-{run.name}.json"
         stage(f"evaluate {name}", CAPTIONER + ["evaluate", "--checkpoint", str(run / "best.pt"), "--split", "val",
                                                 "--data", str(data), "--boxes", str(data / "boxes-dev.jsonl"),
-                                                "--out", str(report), *decoding], env, out / f"evaluate-{run.name}.log")
+                                                "--out", str(report), *decodings[name]], env,
+              out / f"evaluate-{run.name}.log")
         rows[name] = row(json.loads(report.read_text()))
     print_table(rows, minutes, peak_gib)
     if args.bundle and rows:
         best = max(rows, key=lambda name: rows[name]["CIDEr"])
-        run = {"cross-entropy": xent, "SCST": scst}[best]
         folder = Path(args.bundle)
         photos = calibration_photos(data)
-        export = bundle_command(run / "best.pt", folder, decoding, photos)
+        export = bundle_command(runs[best] / "best.pt", folder, decodings[best], photos)
         stage("bundle", CAPTIONER + export, env, out / "bundle.log",
               shown=" ".join(export[: len(export) - len(photos)] + [f"({len(photos)} training photos)"]))
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -125,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         print(f"bundled the {best} model: {folder} ({size:.1f} MB)")
     return 0
+
+
+def stage_decodings(args: argparse.Namespace, xent: Path) -> dict[str, list[str]]:
+    """The decode flags each stage's model is scored (and bundled) with: its own config's decode settings
+    as they are now (a run trained before they changed is scored as the recipe decodes today). `xent`:
+    the cross-entropy run's folder, which the SCST config fine-tunes."""
+    decodes = {"cross-entropy": load_config(args.config).decode}
+    decodes["SCST"] = load_config(args.scst_config, [f"train.init={xent / 'best.pt'}"]).decode \
+        if args.scst_config else decodes["cross-entropy"]
+    return {name: decode_flags(decode) for name, decode in decodes.items()}
 
 
 def bundle_command(checkpoint: Path, folder: Path, decoding: list[str], photos: list[str]) -> list[str]:
@@ -166,14 +177,13 @@ def write_card(path: Path, which: str, rows: dict[str, dict[str, float]], minute
     """The model card beside a bundled model: what it is, its data and licence, recipe, scores.
     `manifest`: the export's (its encoder: name, input size, grid; its decode defaults)."""
     encoder, decode = manifest["encoder"], manifest["decode"]
-    decoding = ", ".join([f"beam {decode['beam_size']}"]
-                         + ([f"no repeated {decode['no_repeat_ngram']}-gram"] if decode.get("no_repeat_ngram") else [])
-                         + (["no content word twice"] if decode.get("no_repeat_words") else [])
-                         + ([f"the word detector weighed in at {decode['detector_weight']:g}"]
-                            if decode.get("detector_weight") else []))
+    rules = ", ".join(([f"no repeated {decode['no_repeat_ngram']}-gram"] if decode.get("no_repeat_ngram") else [])
+                      + (["no content word twice"] if decode.get("no_repeat_words") else [])
+                      + ([f"the word detector weighed in at {decode['detector_weight']:g}"]
+                         if decode.get("detector_weight") else []))
     height, width = encoder["grid"]
     table = "\n".join(
-        f"| {name} | {v['Bleu_1']:.3f} | {v['Bleu_4']:.3f} | {v['METEOR']:.3f} | {v['ROUGE_L']:.3f} | {v['CIDEr']:.3f} "
+        f"| {name} | {v['beam']:.0f} | {v['Bleu_1']:.3f} | {v['Bleu_4']:.3f} | {v['METEOR']:.3f} | {v['ROUGE_L']:.3f} | {v['CIDEr']:.3f} "
         f"| {v['words']:.0f} | {v['hit']:.3f} ({v['centre']:.3f}) | {v['mass']:.3f} ({v['even']:.3f}) |"
         for name, v in rows.items())
     spent = ", ".join(f"{k} {v:.1f} min" for k, v in minutes.items()) or "stages reused from an earlier run"
@@ -198,13 +208,13 @@ biases of its captions (it says "man" and "woman" from appearance). Not for deci
 **Recipe.** `python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR{"".join(" " + o for o in args.overrides)}`:
 {recipe}, on a 2-core CPU: {spent}.
 
-**Scores on the Flickr8k dev list** (970 photos, {decoding}; grounding: the pointing game over the words
+**Scores on the Flickr8k dev list** (970 photos, each model with its config's beam, {rules}; grounding: the pointing game over the words
 that name a hand-boxed object of 140 dev photos, with the photo-centre and even-map baselines in
 brackets). The bundled model is the **{which}** row, as trained (in torch; the export's own scores
 are `captioner evaluate --runtime onnx --checkpoint DIR`).
 
-| model | BLEU-1 | BLEU-4 | METEOR | ROUGE-L | CIDEr-D | distinct words | hit (centre) | mass in box (even) |
-|---|---|---|---|---|---|---|---|---|
+| model | beam | BLEU-1 | BLEU-4 | METEOR | ROUGE-L | CIDEr-D | distinct words | hit (centre) | mass in box (even) |
+|---|---|---|---|---|---|---|---|---|---|
 {table}
 
 Published Show, Attend and Tell on the Flickr8k **test** list (not the same photos): soft attention
@@ -214,11 +224,11 @@ BLEU-1/4 0.67/0.195, METEOR 0.189; hard attention 0.67/0.213, METEOR 0.203.
 
 def print_table(rows: dict[str, dict[str, float]], minutes: dict[str, float], peak_gib: float) -> None:
     print("\nFlickr8k dev (970 photos; grounding over the object words of the hand-boxed dev photos)")
-    head = ["B-1", "B-2", "B-3", "B-4", "METEOR", "ROUGE-L", "CIDEr-D", "words", "hit", "centre", "mass", "even"]
+    head = ["beam", "B-1", "B-2", "B-3", "B-4", "METEOR", "ROUGE-L", "CIDEr-D", "words", "hit", "centre", "mass", "even"]
     print(f"{'model':<15}" + "".join(f"{h:>9}" for h in head))
     for name, r in rows.items():
         values = [r["Bleu_1"], r["Bleu_2"], r["Bleu_3"], r["Bleu_4"], r["METEOR"], r["ROUGE_L"], r["CIDEr"]]
-        cells = [f"{v:>9.3f}" for v in values] + [f"{r['words']:>9.0f}"]
+        cells = [f"{r['beam']:>9.0f}"] + [f"{v:>9.3f}" for v in values] + [f"{r['words']:>9.0f}"]
         cells += [f"{r[k]:>9.3f}" for k in ("hit", "centre", "mass", "even")]
         print(f"{name:<15}" + "".join(cells))
     if minutes:

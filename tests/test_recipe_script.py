@@ -8,6 +8,18 @@ from captioner.cli import build_parser
 from scripts_under_test import load_script
 
 
+def test_each_model_is_scored_with_its_own_configs_decoding(tmp_path):
+    """The SCST model with the SCST config's beam (8), the cross-entropy one with its config's (5)."""
+    script = load_script("flickr8k")
+    parser = build_parser()
+    scored = {}
+    for name, flags in script.stage_decodings(script.get_args_parser().parse_args([]), tmp_path / "xent").items():
+        scored[name] = parser.parse_args(["evaluate", "--checkpoint", "best.pt", *flags]).beam_size
+    assert scored == {"cross-entropy": 5, "SCST": 8}
+    only_xent = script.stage_decodings(script.get_args_parser().parse_args(["--scst-config", ""]), tmp_path / "xent")
+    assert only_xent["SCST"] == only_xent["cross-entropy"]
+
+
 def test_every_training_stage_is_a_command_the_cli_accepts(tmp_path):
     script = load_script("flickr8k")
     args = script.get_args_parser().parse_args(["--data", str(tmp_path / "flickr8k"), "model.encoder.image_size=256"])
@@ -27,7 +39,7 @@ def test_every_training_stage_is_a_command_the_cli_accepts(tmp_path):
 def test_the_model_card_states_the_scores_and_the_decoding_rules(tmp_path):
     script = load_script("flickr8k")
     args = script.get_args_parser().parse_args(["--data", str(tmp_path), "--scst-config", "", "train.seed=0"])
-    row = {"Bleu_1": 0.63, "Bleu_4": 0.218, "METEOR": 0.207, "ROUGE_L": 0.465, "CIDEr": 0.526, "words": 234,
+    row = {"beam": 5, "Bleu_1": 0.63, "Bleu_4": 0.218, "METEOR": 0.207, "ROUGE_L": 0.465, "CIDEr": 0.526, "words": 234,
            "hit": 0.89, "centre": 0.712, "mass": 0.707, "even": 0.294}
     manifest = {"encoder": {"name": "efficientnet_lite0", "image_size": 384, "grid": [12, 12], "precision": "float32",
                             "encoder_weights": "float16", "relative_difference": 0.0026,
@@ -40,8 +52,8 @@ def test_the_model_card_states_the_scores_and_the_decoding_rules(tmp_path):
     assert "`python scripts/flickr8k.py --data PATH/flickr8k --bundle DIR train.seed=0`" in card  # how to rebuild it
     assert "the encoder's weights in float16 (computed in float32; its grids within 0.3% of the trained" in card
     assert "the decoder's weight matrices in int8 (one float32 scale per row" in card
-    assert "| cross-entropy | 0.630 | 0.218 | 0.207 | 0.465 | 0.526 | 234 | 0.890 (0.712) | 0.707 (0.294) |" in card
-    assert "(970 photos, beam 5, no repeated 2-gram, no content word twice;" in card
+    assert "| cross-entropy | 5 | 0.630 | 0.218 | 0.207 | 0.465 | 0.526 | 234 | 0.890 (0.712) | 0.707 (0.294) |" in card
+    assert "(970 photos, each model with its config's beam, no repeated 2-gram, no content word twice;" in card
 
 
 def test_the_int8_encoder_is_calibrated_on_training_photos_alone(tmp_path):
