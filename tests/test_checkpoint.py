@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from captioner.config import Config, DecodeConfig, DecoderConfig, EncoderConfig, ModelConfig
 from captioner.data.shapes import make_example
@@ -236,6 +237,39 @@ def test_a_new_runs_detector_reads_the_words_its_training_groups_and_the_checkpo
     scst = Config(model=model_cfg, train=TrainConfig(objective="scst", init=str(path)))  # concept_groups False
     tuned = build_run_model(scst, GROUPED_VOCAB, None, ckpt, None)
     assert torch.equal(tuned.decoder.detector_slots, model.decoder.detector_slots)
+
+
+def test_a_cross_entropy_run_from_a_grouped_model_trains_the_outputs_its_decoding_reads(tmp_path):
+    """The grouping is the model's: a cross-entropy run `--init`ed from a grouped model trains "woman" on
+    the person output whatever its own `train.concept_groups` says, as decoding will read it (and a new
+    ungrouped model trains each word's own)."""
+    from captioner.config import TrainConfig
+    from captioner.data.datasets import CaptionDataset
+    from captioner.data.records import Record
+    from captioner.recipes.build import Data, build_objective, build_run_model
+    from captioner.training.distributed import DistInfo
+
+    model_cfg = ModelConfig(encoder=CFG.encoder, decoder=DecoderConfig(embed_dim=8, hidden_dim=16, attention_dim=8,
+                                                                       concepts=True))
+    grouped = Config(model=model_cfg, train=TrainConfig(concept_groups=True, concept_weight=1.0))
+    path = save_checkpoint(tmp_path / "grouped.pt", grouped, GROUPED_VOCAB,
+                           build_run_model(grouped, GROUPED_VOCAB, None, None, None).state_dict())
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    captions = CaptionDataset([Record(tmp_path / "a.png", ("a woman on grass",), "train")], GROUPED_VOCAB,
+                              transform=lambda image: image)
+    data = Data(captions, captions, None, cached=True)
+
+    def trained_slots(cfg, init):
+        model = build_run_model(cfg, GROUPED_VOCAB, None, init, None)
+        objective, _, _ = build_objective(cfg, model, data, GROUPED_VOCAB, init, torch.device("cpu"), DistInfo(), None)
+        assert torch.equal(objective.criterion.slots, model.decoder.detector_slots)
+        return objective.criterion.slots
+
+    person, woman = GROUPED_VOCAB.id("person"), GROUPED_VOCAB.id("woman")
+    ungrouped = TrainConfig(concept_weight=1.0, init=str(path))  # concept_groups False
+    assert trained_slots(Config(model=model_cfg, train=ungrouped), load_checkpoint(path))[woman] == person
+    new = Config(model=model_cfg, train=TrainConfig(concept_weight=1.0))
+    assert trained_slots(new, None)[woman] == woman
 
 
 @pytest.mark.parametrize("grouped", [True, False])

@@ -249,7 +249,9 @@ def build_objective(cfg: Config, model: CaptionModel, data: Data, vocab: Vocabul
     tc = cfg.train
     if tc.objective == "xent":
         net = _ddp(model.decoder if data.cached else model, device, dist)
-        criterion = build_criterion(tc, vocab, cfg.model.encoder.name)
+        # the detector outputs the model's words read (set from train.concept_groups when the model was new)
+        slots = model.decoder.detector_slots if model.decoder.concepts is not None else None
+        criterion = build_criterion(tc, vocab, cfg.model.encoder.name, slots)
         targets = BoxTargets.for_records(data.captions.records, boxes, vocab, model.encoder.grid,
                                          model.encoder.cells) if tc.box_weight else None
         objective = CrossEntropy(net, tc, criterion, device, amp_dtype, targets)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from captioner.config import TrainConfig
 from captioner.data.vocab import Vocabulary
-from captioner.model.concepts import concept_slots, noisy_or
+from captioner.model.concepts import noisy_or
 from captioner.model.decoder import DecoderOutput
 from captioner.training.boxes import box_attention
 from captioner.training.teachers import (ClothingPrior, ImageNetTeacher, Teacher, content_words,
@@ -207,9 +207,11 @@ class CaptionCriterion:
         return detector_outputs(tokens, self.slots, self.vocab_size, self.negatives)
 
 
-def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None) -> Criterion:
+def build_criterion(cfg: TrainConfig, vocab: Vocabulary | None = None, encoder: str | None = None,
+                    slots: Tensor | None = None) -> Criterion:
     """The run's loss (`CaptionCriterion`): `caption_loss` with the config's weights and teacher
-    (`build_teacher`). Without `vocab` the detector scores every output at every step."""
-    slots = concept_slots(vocab, cfg.concept_groups) if vocab is not None else None
+    (`build_teacher`). `slots` (V,) is the detector output each word trains: the model's own
+    (`AttentionDecoder.detector_slots`, which decoding reads); None = each word its own. Without `vocab`
+    the detector scores every output at every step."""
     teacher = build_teacher(cfg, vocab, encoder, slots)
     return CaptionCriterion(cfg, teacher, slots, len(vocab) if vocab is not None else None)
