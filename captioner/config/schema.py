@@ -198,9 +198,8 @@ class TrainConfig(_Section):
     # content word; "detector+clothing" = the same, a person's map weighted by where the encoder's ImageNet
     # classifier sees what people wear; "imagenet" = the classifier per region, for the words it has classes for
     concept_teacher: Literal["detector", "detector+clothing", "imagenet"] = "detector"
-    # the detector learns one output per kind of thing (man, woman, boy... -> person), from every photo
-    # whose captions name it however they call it, and teaches each word its kind's map. A new model's setting:
-    # the grouping is saved with the weights, and a run from train.init or a resume trains and reads the model's
+    # one detector output per kind of thing (man, woman, boy... -> person), learnt from every photo whose captions
+    # name it, teaching each word its kind's map; sets a new model's (train.init and resumes keep the model's own)
     concept_groups: bool = False
     # the detector outputs a step trains: the batch's words and this many others drawn at random
     # (-1 = all; all of a 2,500-word vocabulary at 12x12 regions is a third of a step)
