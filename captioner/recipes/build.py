@@ -250,7 +250,7 @@ def build_objective(cfg: Config, model: CaptionModel, data: Data, vocab: Vocabul
     if tc.objective == "xent":
         net = _ddp(model.decoder if data.cached else model, device, dist)
         # the detector outputs the model's words read (set from train.concept_groups when the model was new)
-        slots = model.decoder.detector_slots if model.decoder.concepts is not None else None
+        slots = model.decoder.detector_slots if model.decoder.detects_words else None
         criterion = build_criterion(tc, vocab, cfg.model.encoder.name, slots)
         targets = BoxTargets.for_records(data.captions.records, boxes, vocab, model.encoder.grid,
                                          model.encoder.cells) if tc.box_weight else None
