@@ -151,6 +151,8 @@ def test_cli_evaluate_on_shapes(tmp_path, monkeypatch, capsys):
     forced = report["reference_grounding"]["all"]
     assert forced["words"] >= 3 * 5 and 0.0 <= forced["hit_rate"] <= 1.0  # every reference names its shapes
     assert "attention: a word's peak weight is a median" in out
+    assert "objects:  none of the 3 captions names one of COCO's 80 object kinds" in out  # circles, not things
+    assert report["hallucination"]["references"]["captions"] == 3 * 5
     assert report["focus"]["peak_median"] >= 1.0 and 0.0 <= report["focus"]["focused"] <= 1.0
 
 

@@ -80,7 +80,8 @@ def test_short_run_lowers_the_loss_and_its_checkpoint_captions(tiny, tmp_path):
     lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [10, 20, 30] and result.steps == 30 and result.epochs == 3
     assert lines[-1]["loss"] < lines[0]["loss"]
-    for key in ("xent", "coverage", "val_CIDEr", "val_Bleu_4", "lr", "seconds", "captions_per_s"):
+    for key in ("xent", "coverage", "val_CIDEr", "val_Bleu_4", "val_chair_i", "val_chair_s", "lr", "seconds",
+                "captions_per_s"):
         assert key in lines[0]
     assert result.best is not None and result.best.is_file() and result.last.is_file()
 

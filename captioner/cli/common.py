@@ -158,9 +158,11 @@ def load_captioner(args: argparse.Namespace, teacher_forcing: bool = False) -> A
 
 
 def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found",
-                     diversity: dict[str, float] | None = None, focus: dict[str, float] | None = None) -> None:
-    """The metric table, the captions' diversity, how sharply the maps peak, and attention grounding
-    when the data has boxes."""
+                     diversity: dict[str, float] | None = None, focus: dict[str, float] | None = None,
+                     hallucination: tuple[Any, Any] | None = None) -> None:
+    """The metric table, the captions' diversity, object hallucination (CHAIR of the generated
+    captions and of the references), how sharply the maps peak, and attention grounding when the
+    data has boxes."""
     print(f"{'metric':<10}{'score':>8}")
     for name, value in metrics.items():
         print(f"{name:<10}{value:>8.4f}" if name != "CIDEr" else f"{'CIDEr-D':<10}{value:>8.4f}")
@@ -169,6 +171,8 @@ def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str
     if diversity:
         print(f"captions: {diversity['dangling']:.1%} end on a function word, {diversity['distinct_words']:.0f} "
               f"distinct words, {diversity['distinct_captions']:.0f} distinct captions")
+    if hallucination is not None:
+        print_hallucination(*hallucination)
     if focus:
         from captioner.decoding.metrics import FOCUSED
 
@@ -176,6 +180,17 @@ def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str
               f"percentile {focus['peak_p90']:.1f}x); {focus['focused']:.0%} of words peak above {FOCUSED:g}x")
     if grounding is not None:
         print_grounding(grounding, "generated captions")
+
+
+def print_hallucination(generated: Any, references: Any, words: int = 6) -> None:
+    """CHAIR (`Hallucination`s) of the generated captions beside the references' own."""
+    if not generated.mentions:
+        print(f"objects:  none of the {generated.captions} captions names one of COCO's 80 object kinds (no CHAIR)")
+        return
+    most = ", ".join(f"{w} {n}" for w, n in list(generated.by_word.items())[:words])
+    print(f"objects:  {generated.chair_i:.1%} of {generated.mentions} object words name a kind no reference of the "
+          f"photo names (CHAIR-i), in {generated.chair_s:.1%} of captions (CHAIR-s); the references, each against "
+          f"the others: {references.chair_i:.1%} / {references.chair_s:.1%}{f'; most: {most}' if most else ''}")
 
 
 def print_grounding(g: Any, what: str, words: int = 8) -> None:

@@ -1,4 +1,5 @@
-"""`captioner evaluate`: caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, grounding)."""
+"""`captioner evaluate`: caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, object
+hallucination, grounding)."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ from captioner.files import atomic_write_text, writable_file
 
 
 def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, grounding)")
+    p = sub.add_parser("evaluate", help="caption a split and score it (BLEU, METEOR, ROUGE-L, CIDEr-D, "
+                                          "object hallucination, grounding)")
     add_device(p)
     add_decode_options(p)
     add_batch_size(p)
@@ -78,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
           f"{f', no repeat {d.no_repeat_ngram}-grams' if d.no_repeat_ngram else ''}"
           f"{', no content word twice' if d.no_repeat_words else ''}"
           f"{f', word detector weight {d.detector_weight:g}' if d.detector_weight else ''}")
+    chair = None if result.hallucination is None else (result.hallucination, result.reference_hallucination)
     print_evaluation(result.metrics, result.grounding, "--no-meteor" if args.no_meteor else "java not found",
-                     result.diversity, result.focus)
+                     result.diversity, result.focus, chair)
     if boxes is not None and result.grounding is None:
         print(f"grounding: none of the {len(result.captions)} captioned images is in {args.boxes}")
     if result.reference_grounding is not None:

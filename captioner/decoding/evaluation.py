@@ -1,5 +1,6 @@
 """Scoring a model on a split: caption the images, compare with the references (BLEU, METEOR,
-ROUGE-L, CIDEr-D) and, where the data has object boxes, score the attention's grounding.
+ROUGE-L, CIDEr-D, object hallucination) and, where the data has object boxes, score the attention's
+grounding.
 
     evaluate_records(captioner, records)   -> Evaluation    (any records, e.g. the demo's test split)
     evaluate_split(captioner, data, split) -> Evaluation    (`captioner.recipes.evaluate` loads a checkpoint for it)
@@ -19,6 +20,7 @@ from captioner.data.records import SPLITS, Record
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.grounding import GroundingResult, GroundingSample, grounding_score
+from captioner.decoding.hallucination import Hallucination, hallucinated_words, reference_hallucination
 from captioner.decoding.metrics import attention_focus
 from captioner.decoding.references import forced_samples, reference_captions
 from captioner.decoding.scoring import score_captions
@@ -43,6 +45,8 @@ class Evaluation:
     decode: the decode settings used.
     diversity: share of captions ending on a function word, distinct words, distinct captions.
     focus: how sharply the words' maps peak (`attention_focus`).
+    hallucination: CHAIR of the generated captions; reference_hallucination: of the references, each
+        against the others of its photo (`captioner.decoding.hallucination`). None without captions.
     """
 
     metrics: dict[str, float]
@@ -55,6 +59,8 @@ class Evaluation:
     focus: dict[str, float] = dataclasses.field(default_factory=dict)
     reference_grounding: GroundingResult | None = None
     relevance: dict[str, GroundingResult] = dataclasses.field(default_factory=dict)
+    hallucination: Hallucination | None = None
+    reference_hallucination: Hallucination | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,7 +73,11 @@ class Evaluation:
             "grounding": None if self.grounding is None else self.grounding.to_json(),
             "reference_grounding": None if self.reference_grounding is None else self.reference_grounding.to_json(),
             "relevance": {k: g.to_json() for k, g in self.relevance.items()} or None,
-            "captions": [{**c.to_json(attention=False), "references": self.references[c.path]} for c in self.captions],
+            "hallucination": None if self.hallucination is None else {
+                "generated": self.hallucination.to_json(), "references": self.reference_hallucination.to_json()},
+            "captions": [{**c.to_json(attention=False), "references": self.references[c.path],
+                          "hallucinated": hallucinated_words(c.text, self.references[c.path])}
+                         for c in self.captions],
         }
 
 
@@ -113,7 +123,9 @@ def evaluate_records(captioner: Captioner, records: Sequence[Record], batch_size
                     "reference": grounding_score(forced_samples(captioner, records, objects, reference_words, "relevance"))}
     return Evaluation(scores.metrics, grounding, captions, references, skipped, cfg, scores.diversity,
                       attention_focus([m for c in captions for m in c.attention]),
-                      grounding_score(forced) if forced else None, relevant)
+                      grounding_score(forced) if forced else None, relevant,
+                      scores.hallucination if captions else None,
+                      reference_hallucination(references) if captions else None)
 
 
 def _objects(boxes: Boxes | None):

@@ -1,7 +1,7 @@
 """Captions decoded and scored: the one place both evaluation and training's validation do it.
 
     caption_batches(model, batches, cfg, vocab, device)  -> {image_id: caption}
-    score_captions(references, captions, meteor)         -> Scores(metrics, diversity)
+    score_captions(references, captions, meteor)         -> Scores(metrics, diversity, hallucination)
 
 Validation decodes this rank's share of the validation grids with `caption_batches`, gathers every
 rank's captions and scores them with `score_captions`; `evaluate_records` scores a `Captioner`'s
@@ -17,6 +17,7 @@ import torch
 from captioner.config import DecodeConfig
 from captioner.data.datasets import ImageBatch
 from captioner.data.vocab import Vocabulary
+from captioner.decoding.hallucination import Hallucination, hallucination
 from captioner.decoding.metrics import caption_metrics, diversity
 from captioner.decoding.search import decode
 from captioner.model.caption_model import CaptionModel
@@ -25,6 +26,7 @@ from captioner.model.caption_model import CaptionModel
 class Scores(NamedTuple):
     metrics: dict[str, float]  # `caption_metrics` (BLEU-1..4, METEOR, ROUGE-L, CIDEr); {} without captions
     diversity: dict[str, float]  # `diversity`: dangling, distinct words, distinct captions
+    hallucination: Hallucination  # CHAIR: object words no reference of the photo names
 
 
 def score_captions(references: Mapping[Hashable, Sequence[str]], captions: Mapping[Hashable, str],
@@ -37,7 +39,7 @@ def score_captions(references: Mapping[Hashable, Sequence[str]], captions: Mappi
         meteor: see `caption_metrics` (None = when Java is available).
     """
     metrics = caption_metrics({k: references[k] for k in captions}, captions, meteor=meteor) if captions else {}
-    return Scores(metrics, diversity(list(captions.values())))
+    return Scores(metrics, diversity(list(captions.values())), hallucination(references, captions))
 
 
 @torch.no_grad()

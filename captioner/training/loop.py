@@ -91,7 +91,7 @@ def train_one_epoch(objective: Objective, loader: Iterable[Any], optimizer: torc
 
 def validation_scores(run: Run) -> tuple[dict[str, float], dict[int, str]]:
     """Decode this rank's validation images, gather every rank's captions, score them on rank 0.
-    Returns (caption metrics and diversity, captions by image_id), the same on every rank. Collective."""
+    Returns (caption metrics, diversity and CHAIR, captions by image_id), the same on every rank. Collective."""
     captions = caption_batches(run.model, run.val_loader, run.cfg.decode, run.vocab, run.device, cached=run.cached,
                                amp_dtype=run.amp_dtype)
     merged: dict[int, str] = {}
@@ -100,7 +100,8 @@ def validation_scores(run: Run) -> tuple[dict[str, float], dict[int, str]]:
     metrics = None
     if run.dist.is_main:
         scores = score_captions(run.references, merged, meteor=run.cfg.train.val_metric == "METEOR")
-        metrics = {**scores.metrics, **scores.diversity}
+        chair = scores.hallucination
+        metrics = {**scores.metrics, **scores.diversity, "chair_i": chair.chair_i, "chair_s": chair.chair_s}
     return broadcast_object(metrics), merged
 
 
