@@ -17,14 +17,16 @@ README_MARKER = "`make demo` ends like this"
 # `centre` and `even` columns are the baselines on the same words).
 GROUNDING_TARGET = 0.95
 
-# How far a number the README shows may be from the one the demo prints: 5% of it, or one unit of
+# How far a number the README shows may be from the one the demo prints: 6% of it, or one unit of
 # its last printed digit, whichever is more. One machine prints the same digits every run, but another
 # CPU kind sums in another order and 1,000 steps carry that into other weights: on a Xeon with AMX
 # (2026-12-05) BLEU-4 0.9713 against the README's 0.9830 (1.2%), CIDEr-D 5.80 against 5.69 (2.0%),
 # METEOR 2.5%, a colour's hit rate one word of 41 (2.4%), two objects on their own cells 3.7%, and
-# another example caption. So the example caption's words may differ, and a README left behind by a
-# change of the model is caught when it moves a figure by more than that spread.
-RELATIVE = 0.05
+# another example caption; on an AMD EPYC with AVX-512 (2026-12-07) a colour's hit rate two words of
+# 40 (5.4%) and two objects on their own cells three captions of 64 (5.4%). So the example caption's
+# words may differ, and a README left behind by a change of the model is caught when it moves a
+# figure by more than that spread.
+RELATIVE = 0.06
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
