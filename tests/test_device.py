@@ -38,17 +38,28 @@ def test_kept_memory_serves_a_steps_large_blocks_from_the_heap_not_fresh_mapping
     assert _mapped_bytes("keep") == 0
 
 
-def test_auto_precision_trains_in_float32_on_the_cpu_and_honours_an_explicit_choice():
-    """bf16 autocast on the CPU compiles a oneDNN kernel for every new shape: on the Flickr8k recipe it
-    trained at 0.79x float32's speed with a GiB more memory (scripts/bench_amp.py), so `auto` must not
-    pick it there, even on CPUs with bf16 instructions."""
+@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"), [
+    (True, True, None),  # a Xeon with AMX: bf16 trained at 0.79x float32's speed (scripts/bench_amp.py)
+    (True, False, "bf16"),  # an AMD EPYC with AVX-512 BF16: 1.45x
+    (False, False, None),  # no bf16 instructions: emulated
+])
+def test_auto_precision_on_the_cpu_is_bf16_only_where_it_trained_faster(monkeypatch, avx512_bf16, amx, expected):
+    import torch
+
+    from captioner.device import autocast_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert autocast_dtype("auto", torch.device("cpu")) is (torch.bfloat16 if expected else None)
+
+
+def test_an_explicit_precision_is_honoured_on_any_cpu():
     import torch
 
     from captioner.device import autocast_dtype
     from captioner.errors import CaptionerError
 
     cpu = torch.device("cpu")
-    assert autocast_dtype("auto", cpu) is None
     assert autocast_dtype("off", cpu) is None
     assert autocast_dtype("bf16", cpu) is torch.bfloat16
     with pytest.raises(CaptionerError, match="fp16 needs a CUDA device"):

@@ -209,7 +209,7 @@ class TrainConfig(_Section):
     box_weight: float = 0.0
     label_smoothing: float = 0.0
     scheduled_sampling: float = 0.0  # final probability of feeding the model's own word
-    # autocast: "auto" = bf16 on a GPU (fp16 on older ones), float32 on the CPU (captioner.device.autocast_dtype)
+    # "auto": bf16 on a GPU (fp16 on older ones) and on CPUs where it trains faster, else float32 (device.py)
     amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
     seed: int = 0
     val_every_steps: int = 0  # 0 = validate once per epoch

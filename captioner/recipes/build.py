@@ -64,7 +64,10 @@ def check_machine(cfg: Config, device: torch.device) -> torch.dtype | None:
     if cfg.train.objective == "scst" and cfg.model.encoder.trainable_stages:
         raise ConfigError("config key 'model.encoder.trainable_stages': self-critical training keeps the encoder "
                           "frozen (0)")
-    return autocast_dtype(cfg.train.amp, device)
+    dtype = autocast_dtype(cfg.train.amp, device)
+    log.info("precision: %s (train.amp: %s)",
+             "float32" if dtype is None else f"{str(dtype).removeprefix('torch.')} autocast", cfg.train.amp)
+    return dtype
 
 
 def check_run_folder(out_dir: Path, dist: DistInfo, resuming: bool, overwrite: bool) -> bool:
