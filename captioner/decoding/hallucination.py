@@ -165,8 +165,12 @@ class Hallucination:
 
 def hallucinated_words(text: str, references: Sequence[str]) -> list[str]:
     """The object words of `text` that name no kind any of its photo's `references` names."""
+    return _unnamed(object_mentions(text), references)
+
+
+def _unnamed(mentioned: dict[str, frozenset[str]], references: Sequence[str]) -> list[str]:
     present = named_kinds(references)
-    return [word for word, kinds in object_mentions(text).items() if not kinds & present]
+    return [word for word, kinds in mentioned.items() if not kinds & present]
 
 
 def _score(pairs: Iterable[tuple[str, Sequence[str]]]) -> Hallucination:
@@ -175,8 +179,7 @@ def _score(pairs: Iterable[tuple[str, Sequence[str]]]) -> Hallucination:
     by_word: Counter[str] = Counter()
     for text, references in pairs:
         mentioned = object_mentions(text)
-        present = named_kinds(references)
-        wrong = [word for word, kinds in mentioned.items() if not kinds & present]
+        wrong = _unnamed(mentioned, references)
         captions += 1
         mentions += len(mentioned)
         hallucinated += len(wrong)
