@@ -163,6 +163,29 @@ def test_the_greedy_baseline_is_the_reward_of_the_images_greedy_caption(start):
     assert scst.rewards([greedy[0]], [0]).item() == pytest.approx(baseline[0].item())
 
 
+def test_the_object_penalty_charges_each_kind_no_reference_names(start):
+    """`scst_object_penalty: p`: a sample's reward is its CIDEr-D less p for each object kind it
+    names that no reference of its image names ("a bench" where they saw grass; a cat and a frisbee:
+    two); kinds a reference names ("dog", "man"), and words that are no object kind, cost nothing."""
+    config, ce = start
+    from captioner.training.scst import SelfCritical
+
+    model, ckpt = _restored(ce)
+    refs = [("a dog runs on the grass", "a brown dog plays"), ("a man sits on a bench",)]
+    captions = [tokenize(c) for c in ("a dog on a bench", "a man on a bench", "a cat and a frisbee on the grass")]
+    image_ids = [0, 1, 0]
+    rewards = {}
+    for penalty in (0.0, 0.5):
+        cfg = run_config(config, [*SCST, f"train.init={ce}", f"train.scst_object_penalty={penalty}"])
+        scst = SelfCritical(model, model.decoder, refs, ckpt.vocab, cfg.train, cfg.decode, cached=False)
+        rewards[penalty] = scst.rewards(captions, image_ids)
+    assert [scst.hallucinated(c, i) for c, i in zip(captions, image_ids)] == [1, 0, 2]
+    assert rewards[0.0].tolist() == pytest.approx(
+        CiderD([[tokenize(c) for c in caps] for caps in refs]).scores(
+            captions, [[tokenize(c) for c in refs[i]] for i in image_ids]).tolist())
+    assert (rewards[0.0] - rewards[0.5]).tolist() == pytest.approx([0.5, 0.0, 1.0])
+
+
 def test_beam_sampling_trains_on_each_images_best_beams_against_their_mean(start):
     """`scst_sampling: beam`: an image's K captions are its K best beams under the run's decode
     rules (beam size K), each judged against the mean reward of the other K - 1."""

@@ -33,7 +33,7 @@ LIMITS: dict[str, dict[str, str]] = {
     "model.encoder": {"image_size": "[32, 4096]", "trainable_stages": ">= 0"},
     "model.decoder": {"embed_dim": ">= 1", "hidden_dim": ">= 1", "attention_dim": ">= 1", "feature_dim": ">= 0",
                       "dropout": "[0, 1)"},
-    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "epochs": ">= 1", "schedule_epochs": ">= 0", "max_steps": ">= 0", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
+    "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "scst_object_penalty": ">= 0", "epochs": ">= 1", "schedule_epochs": ">= 0", "max_steps": ">= 0", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
               "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
               "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
@@ -167,12 +167,12 @@ class TrainConfig(_Section):
     init: str = ""  # start from this checkpoint's weights, vocabulary and model config (a new run; scst needs it)
     scst_samples: int = 5  # captions per image (drawn, or its best beams); each judged against the mean reward of the others
     scst_baseline: Literal["mean", "greedy"] = "mean"  # or the reward of the image's greedy caption
-    # "multinomial": captions drawn from the model; "beam": the image's scst_samples best beams, searched
-    # with the run's decode rules (the captions evaluation writes; Cornia et al. 2020's SCST)
+    # "multinomial": captions drawn from the model; "beam": its scst_samples best beams as evaluation searches them
     scst_sampling: Literal["multinomial", "beam"] = "multinomial"
     scst_xent_weight: float = 0.0  # mix in this much cross-entropy on the references
-    # weight of KL(policy || the initial model) per sampled word: keeps SCST near its cross-entropy start
-    scst_kl_weight: float = 0.0
+    scst_kl_weight: float = 0.0  # KL(policy || the initial model) per sampled word: keeps SCST near its start
+    # subtracted from a sample's reward for each object kind it names that no reference of its photo names (CHAIR)
+    scst_object_penalty: float = 0.0
     epochs: int = 20
     # the epochs the learning-rate schedule is laid over (0 = `epochs`): more than `epochs` stops the run
     # before the cosine reaches 0

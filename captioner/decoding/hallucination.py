@@ -15,6 +15,7 @@ ground truth (on the Flickr8k dev list, CHAIR-i 2.8%, CHAIR-s 3.4%).
     hallucination(references, captions) -> Hallucination
     reference_hallucination(references) -> Hallucination
     hallucinated_words(caption, references) -> [word, ...]
+    unnamed_words(caption, named_kinds(references)) -> [word, ...]
 """
 from __future__ import annotations
 
@@ -165,11 +166,15 @@ class Hallucination:
 
 def hallucinated_words(text: str, references: Sequence[str]) -> list[str]:
     """The object words of `text` that name no kind any of its photo's `references` names."""
-    return _unnamed(object_mentions(text), references)
+    return unnamed_words(text, named_kinds(references))
 
 
-def _unnamed(mentioned: dict[str, frozenset[str]], references: Sequence[str]) -> list[str]:
-    present = named_kinds(references)
+def unnamed_words(text: str, present: frozenset[str]) -> list[str]:
+    """The object words of `text` that name none of the kinds `present` (`named_kinds` of its references)."""
+    return _unnamed(object_mentions(text), present)
+
+
+def _unnamed(mentioned: dict[str, frozenset[str]], present: frozenset[str]) -> list[str]:
     return [word for word, kinds in mentioned.items() if not kinds & present]
 
 
@@ -179,7 +184,7 @@ def _score(pairs: Iterable[tuple[str, Sequence[str]]]) -> Hallucination:
     by_word: Counter[str] = Counter()
     for text, references in pairs:
         mentioned = object_mentions(text)
-        wrong = _unnamed(mentioned, references)
+        wrong = _unnamed(mentioned, named_kinds(references))
         captions += 1
         mentions += len(mentioned)
         hallucinated += len(wrong)

@@ -14,7 +14,10 @@ Cornia et al. 2020, Meshed-Memory Transformer):
 The samples are drawn without gradients, in eval mode (no dropout); their log-probabilities then
 come from the packed teacher-forced pass over them, also in eval mode, so the gradient is that of
 the distribution sampled from (for beams: the model's own probabilities of them, without the search's
-n-gram and repeated-word rules). The baseline never gets a gradient. `scst_xent_weight` mixes in the
+n-gram and repeated-word rules). The baseline never gets a gradient. `scst_object_penalty` lowers a
+sample's reward by that much for each object kind it names that no reference of its image names (CHAIR's
+hallucinated mentions, `captioner.decoding.hallucination`): CIDEr-D alone charges a wrong "bench" no more
+than any other wrong word. `scst_xent_weight` mixes in the
 cross-entropy of the references; `scst_kl_weight` the KL divergence of the policy from the frozen
 initial model at every sampled position (as RL fine-tuning of language models does), which holds the
 policy near its cross-entropy start: on 700 training images SCST otherwise learns their references.
@@ -34,6 +37,7 @@ from captioner.config import DecodeConfig, TrainConfig
 from captioner.data.datasets import ImageBatch, collate_images, pad_captions
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.decoding.cider import CiderD
+from captioner.decoding.hallucination import named_kinds, unnamed_words
 from captioner.decoding.sampling import sample
 from captioner.decoding.rules import ban
 from captioner.decoding.search import decode, decode_n_best
@@ -74,6 +78,7 @@ class SelfCritical:
         self.beam_cfg = decode_cfg.with_overrides(beam_size=train_cfg.scst_samples, detector_weight=0.0)
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
+        self.kinds = [named_kinds(caps) for caps in references]  # (images,) the object kinds its references name
         self.ref_ids = [[vocab.encode(c, decode_cfg.max_length) for c in refs] for refs in self.refs]
         self.banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
         self.reward_seconds = 0.0  # time spent computing rewards since the last metrics line
@@ -89,11 +94,19 @@ class SelfCritical:
         return {**logged_terms(means, self.cfg), "reward": means["reward"], "reward_share": share}
 
     def rewards(self, words: list[list[str]], image_ids: list[int]) -> Tensor:
-        """(R,) CIDEr-D of each caption (tokens) against its image's references."""
+        """(R,) CIDEr-D of each caption (tokens) against its image's references, less
+        `scst_object_penalty` for each object kind it names that they do not."""
         tick = time.perf_counter()
-        scores = self.cider.scores(words, [self.refs[i] for i in image_ids])
+        reward = torch.as_tensor(self.cider.scores(words, [self.refs[i] for i in image_ids]), dtype=torch.float32)
+        if self.cfg.scst_object_penalty:
+            wrong = [self.hallucinated(caption, i) for caption, i in zip(words, image_ids, strict=True)]  # (R,)
+            reward -= self.cfg.scst_object_penalty * torch.tensor(wrong, dtype=torch.float32)
         self.reward_seconds += time.perf_counter() - tick
-        return torch.as_tensor(scores, dtype=torch.float32)
+        return reward
+
+    def hallucinated(self, words: list[str], image_id: int) -> int:
+        """How many object kinds a caption (tokens) names that no reference of its image names."""
+        return len(unnamed_words(" ".join(words), self.kinds[image_id]))
 
     def words(self, tokens: Tensor) -> list[list[str]]:
         """(R, T) sampled ids -> words up to <end>."""
