@@ -70,8 +70,8 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     to 1,024 of them; training's shapes keep changing (caption lengths, packed steps, beams). On a
     Xeon with AMX (bf16 matrix tiles) the Flickr8k recipe trained at 0.79x (cross-entropy) and 0.90x
     (SCST) float32's speed in bf16, with 1.0 and 0.6 GiB more resident memory; on an AMD EPYC with
-    AVX-512 BF16 and no AMX at 1.45x (cross-entropy, 300 steps), with 0.7 GiB more
-    (scripts/bench_amp.py). `bf16` asks for it anyway.
+    AVX-512 BF16 and no AMX at 1.45x (cross-entropy, 300 steps), with 0.7 GiB more; on an AMD EPYC with
+    AVX2 alone (bf16 emulated) at 0.09x (scripts/bench_amp.py). `bf16` asks for it anyway.
     """
     if amp == "off":
         return None
