@@ -78,7 +78,8 @@ class SelfCritical:
         self.beam_cfg = decode_cfg.with_overrides(beam_size=train_cfg.scst_samples, detector_weight=0.0)
         self.refs = [[tokenize(c) for c in caps] for caps in references]  # (images,) token lists
         self.cider = CiderD(self.refs)
-        self.kinds = [named_kinds(caps) for caps in references]  # (images,) the object kinds its references name
+        # (images,) the object kinds each image's references name, for scst_object_penalty (~6 s on Flickr8k's 5,856)
+        self.kinds = [named_kinds(caps) for caps in references] if train_cfg.scst_object_penalty else []
         self.ref_ids = [[vocab.encode(c, decode_cfg.max_length) for c in refs] for refs in self.refs]
         self.banned = (vocab.pad_id, vocab.start_id, vocab.unk_id)
         self.reward_seconds = 0.0  # time spent computing rewards since the last metrics line
