@@ -139,6 +139,34 @@ def test_bad_token_file_and_json_name_file_line_or_key(tmp_path):
         load_records(coco)
 
 
+@pytest.mark.parametrize("annotations, message", [
+    ([{"image_id": 1, "caption": "a dog"}], r"captions_train2014\.json: key 'annotations\[0\]\.id': missing"),
+    ([{"id": 1, "image_id": 1, "caption": "a dog"}, {"id": "z", "image_id": 1, "caption": "a cat"}],
+     r"captions_train2014\.json: key 'annotations\[1\]\.id': expected int, got str"),
+])
+def test_coco_annotation_ids_are_checked(tmp_path, annotations, message):
+    coco = tmp_path / "captions_train2014.json"
+    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": annotations}))
+    with pytest.raises(SourceError, match=message):
+        load_records(coco)
+
+
+def test_karpathy_boxes_must_be_a_list(tmp_path):
+    path = tmp_path / "dataset_x.json"
+    path.write_text(json.dumps({"images": [
+        {"filename": "a.jpg", "split": "train", "sentences": [{"raw": "a dog"}], "boxes": None},
+        {"filename": "b.jpg", "split": "train", "sentences": [{"raw": "a dog"}], "boxes": 5}]}))
+    with pytest.raises(SourceError, match=r"dataset_x\.json: key 'images\[1\]\.boxes': expected list, got int"):
+        load_records(path)
+
+
+def test_flickr_split_list_not_utf8_is_named(tmp_path):
+    (tmp_path / "Flickr8k.token.txt").write_text("a.jpg#0\tA dog runs.\n")
+    (tmp_path / "Flickr_8k.trainImages.txt").write_bytes("a.jpg\ncaf\u00e9.jpg\n".encode("latin-1"))
+    with pytest.raises(SourceError, match=r"Flickr_8k\.trainImages\.txt: not a UTF-8 text file"):
+        load_records(tmp_path)
+
+
 def test_unknown_layout_missing_path_and_empty_set(tmp_path):
     (tmp_path / "notes.md").write_text("hello\n")
     with pytest.raises(SourceError, match="accepted"):

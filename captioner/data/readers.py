@@ -91,6 +91,7 @@ def _read_coco(path: Path, data: dict, image_root: Path | None) -> list[Record]:
         _require(im, "file_name", str, path, f"images[{i}].")
     ids = {im["id"] for im in images}
     for i, ann in enumerate(data["annotations"]):
+        _require(ann, "id", int, path, f"annotations[{i}].")
         _require(ann, "caption", str, path, f"annotations[{i}].")
         if _require(ann, "image_id", int, path, f"annotations[{i}].") not in ids:
             raise SourceError(f"{path}: key 'annotations[{i}].image_id': no image with id {ann['image_id']}")
@@ -111,7 +112,7 @@ def _read_coco(path: Path, data: dict, image_root: Path | None) -> list[Record]:
 
     records = []
     for img_id in sorted(coco.getImgIds()):
-        anns = sorted(coco.imgToAnns.get(img_id, []), key=lambda a: a.get("id", 0))
+        anns = sorted(coco.imgToAnns.get(img_id, []), key=lambda a: a["id"])
         captions = tuple(a["caption"].strip() for a in anns if a["caption"].strip())
         if captions:
             records.append(Record(root / coco.imgs[img_id]["file_name"], captions, split))
@@ -146,13 +147,18 @@ def _read_karpathy(path: Path, data: dict, image_root: Path | None) -> list[Reco
                 captions.append(" ".join(map(str, s["tokens"])))
             else:
                 raise SourceError(f"{path}: key '{where}sentences[{j}].raw': missing")
-        boxes = tuple(_box(b, path, f"{where}boxes[{k}].") for k, b in enumerate(im.get("boxes") or []))
+        boxes = tuple(_box(b, path, f"{where}boxes[{k}].") for k, b in enumerate(_boxes_of(im, path, where)))
         entries.append((f"{filepath}/{filename}" if filepath else filename, tuple(c for c in captions if c),
                         split_names[split], boxes))
     candidates = [path.parent / d for d in ("", "Images", "images", "Flicker8k_Dataset", "Flickr8k_Dataset",
                                              "flickr30k-images")] + [path.parent.parent]
     root = _guess_root(path, image_root, candidates, entries[0][0]) if entries else path.parent
     return [Record(root / rel, caps, split, boxes) for rel, caps, split, boxes in entries if caps]
+
+
+def _boxes_of(im: dict, path: Path, where: str) -> list:
+    """An image entry's optional `boxes` (absent or null: none), checked to be a list."""
+    return _require(im, "boxes", list, path, where) if im.get("boxes") is not None else []
 
 
 def _box(b: Any, path: Path, where: str) -> Box:
@@ -229,7 +235,7 @@ def read_flickr_token(path: Path, image_root: Path | None) -> tuple[list[Record]
     split_of: dict[str, str] = {}
     for split, list_path in lists.items():
         if list_path.is_file():
-            names = list_path.read_text(encoding="utf-8").split()
+            names = _split_list(list_path)
             uncaptioned = [n for n in names if not groups.get(n)]
             if uncaptioned:
                 log.warning("%s: %d listed photo(s) have no captions in %s and are left out (first: %s)", list_path,
@@ -240,3 +246,11 @@ def read_flickr_token(path: Path, image_root: Path | None) -> tuple[list[Record]
     if len(records) < len(groups):
         log.info("%s: %d images in no split list ignored", path, len(groups) - len(records))
     return records, True
+
+
+def _split_list(path: Path) -> list[str]:
+    """The photo names of a `Flickr_8k.*Images.txt` split list."""
+    try:
+        return path.read_text(encoding="utf-8-sig").split()
+    except UnicodeDecodeError:
+        raise SourceError(f"{path}: not a UTF-8 text file") from None
