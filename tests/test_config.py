@@ -86,3 +86,12 @@ def test_shipped_configs_are_found_by_name_from_anywhere(tmp_path, monkeypatch):
     assert load_config("shapes").model.decoder.attend == "after"
     with pytest.raises(ConfigError, match="shapez: config file not found .*shipped configs: coco"):
         load_config("shapez")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_fails_when_the_config_is_read(seed):
+    """numpy seeds only 0 to 2**32 - 1: a train.seed outside fails with the config, before any data or model."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"train.seed={seed}"])
+    assert "\n" not in str(e.value) and f"'train.seed': {seed} is not allowed" in str(e.value)
+    assert load_config(None, [f"train.seed={2**32 - 1}"]).train.seed == 2**32 - 1

@@ -145,6 +145,33 @@ def test_bad_export_folders_and_settings_are_one_line(exported, tmp_path):
         export_onnx(pooled, tmp_path / "pooled")
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("vocabulary", 5, ["vocabulary must be a list of words"]),
+    ("decode", {"beam_size": 0}, ["'decode.beam_size': 0 is not allowed"]),
+    ("decode", None, ["lacks decode"]),
+    ("encoder", [], ["encoder is a list"]),
+])
+def test_a_manifest_without_what_running_reads_is_one_line_naming_it(exported, tmp_path, key, value, words):
+    from captioner.deploy.folder import read_manifest
+    from captioner.deploy.lite import lite_captioner
+
+    _, report = exported
+    folder = tmp_path / "mangled"
+    folder.mkdir()
+    for f in report.folder.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest[key] = value
+    if value is None:
+        del manifest[key]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    for read in (read_manifest, onnx_captioner, lite_captioner):
+        with pytest.raises(FormatError) as e:
+            read(folder)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"{folder / 'manifest.json'}: ")
+        assert all(w in str(e.value) for w in words), str(e.value)
+
+
 def test_draft_decoding_keeps_the_photo_size_and_what_the_encoder_sees(tmp_path):
     """A large JPEG decoded at 1/4 scale (draft mode) then resized to the encoder's side, against the
     full decode resized: nearly the same pixels, and `full_size` is still the photo's."""

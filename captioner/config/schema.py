@@ -35,9 +35,10 @@ LIMITS: dict[str, dict[str, str]] = {
                       "dropout": "[0, 1)"},
     "train": {"scst_samples": ">= 1", "scst_xent_weight": ">= 0", "scst_kl_weight": ">= 0", "scst_object_penalty": ">= 0", "epochs": ">= 1", "schedule_epochs": ">= 0", "max_steps": ">= 0", "batch_size": ">= 1", "lr": "> 0", "encoder_lr": "> 0", "weight_decay": ">= 0",
               "grad_clip": ">= 0", "warmup_steps": ">= 0", "coverage_weight": ">= 0", "entropy_weight": ">= 0", "concept_weight": ">= 0", "concept_negatives": ">= -1", "box_weight": ">= 0",
-              "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "val_every_steps": ">= 0",
-              "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0", "log_every": ">= 1"},
-    "decode": {"beam_size": ">= 1", "max_length": ">= 2", "length_penalty": ">= 0", "no_repeat_ngram": ">= 0", "detector_weight": "[0, 10]"},
+              "label_smoothing": "[0, 1)", "scheduled_sampling": "[0, 1]", "seed": "[0, 4294967295]",
+              "val_every_steps": ">= 0", "val_images": ">= 0", "patience": ">= 0", "checkpoint_every_steps": ">= 0",
+              "log_every": ">= 1"},
+    "decode": {"beam_size": "[1, 100]", "max_length": ">= 2", "length_penalty": "[0, 10]", "no_repeat_ngram": ">= 0", "detector_weight": "[0, 10]"},
 }
 
 
@@ -296,5 +297,4 @@ class Config(_Section):
             raise ConfigError("config key 'data.mirror': true trains cross-entropy only (self-critical training "
                               "reads the photos' own grids)")
         if self.data.mirror and self.train.box_weight:
-            raise ConfigError("config key 'data.mirror': true cannot go with train.box_weight (the boxes are not "
-                              "mirrored)")
+            raise ConfigError("config key 'data.mirror': true cannot go with train.box_weight (boxes are not mirrored)")

@@ -117,7 +117,8 @@ class Captioner:
         defaults to the (first) checkpoint's own decode settings."""
         sources = list(path) if isinstance(path, (list, tuple)) else [path]
         ckpts = [s if isinstance(s, Checkpoint) else load_checkpoint(s) for s in sources]
-        names = [str(s) if not isinstance(s, Checkpoint) else f"checkpoint {i + 1}" for i, s in enumerate(sources)]
+        names = [str(s) if not isinstance(s, Checkpoint) else s.source or f"checkpoint {i + 1}"
+                 for i, s in enumerate(sources)]
         models = [restore_model(c, n) for c, n in zip(ckpts, names)]
         for ckpt, name in zip(ckpts[1:], names[1:]):
             if ckpt.model_config.encoder != ckpts[0].model_config.encoder or ckpt.vocab != ckpts[0].vocab:

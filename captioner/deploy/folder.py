@@ -17,6 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from captioner.config import ConfigError, DecodeConfig
+from captioner.config.parse import from_dict
+from captioner.data.vocab import Vocabulary, VocabularyError
 from captioner.deploy import EXPORT_VERSION, GRAPHS, MANIFEST, WORDS, FormatError
 from captioner.files import cache_home
 from captioner.model.grid import CPU_CHUNK
@@ -82,16 +85,29 @@ def encode_chunks(session: Any, pixels: np.ndarray) -> np.ndarray:
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
-    """manifest.json of an export folder whose graphs are all there; FormatError (one line) if not."""
+    """manifest.json of an export folder whose graphs are all there, holding what running it reads (the
+    encoder's settings, a vocabulary, decode settings this code accepts); FormatError (one line, naming
+    the manifest) if not."""
     missing = [name for name in (MANIFEST, *(f"{g}.onnx" for g in GRAPHS)) if not (folder / name).is_file()]
     if missing:
         raise FormatError(f"{folder}: not an export folder of `captioner export` ({', '.join(missing)} missing)")
+    path = folder / MANIFEST
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise FormatError(f"{folder / MANIFEST}: unreadable ({e})") from None
+        raise FormatError(f"{path}: unreadable ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != "captioner-onnx":
-        raise FormatError(f"{folder / MANIFEST}: not a captioner export manifest")
+        raise FormatError(f"{path}: not a captioner export manifest")
+    lacking = [key for key in ("encoder", "vocabulary", "decode") if key not in manifest]
+    if lacking:
+        raise FormatError(f"{path}: lacks {', '.join(lacking)}; export the checkpoint again")
+    if not isinstance(manifest["encoder"], dict):
+        raise FormatError(f"{path}: its encoder is a {type(manifest['encoder']).__name__}, not a mapping")
+    try:
+        Vocabulary.from_list(manifest["vocabulary"])
+        from_dict(DecodeConfig, manifest["decode"], "decode")
+    except (VocabularyError, ConfigError) as e:
+        raise FormatError(f"{path}: {e}") from None
     return manifest
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from captioner.config import Config, ConfigError, ModelConfig, parse_config, to_dict
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import Vocabulary, VocabularyError
 from captioner.errors import CaptionerError
 from captioner.files import atomic_open
 from captioner.model.caption_model import CaptionModel, build_model
@@ -51,6 +51,7 @@ class Checkpoint:
     model_state: dict[str, torch.Tensor]
     train_state: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None  # the file it was read from (what messages about it name)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -92,18 +93,20 @@ def save_checkpoint(
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Read and check a checkpoint (tensors on the CPU). Raises CheckpointError with one line: not
     found, not a PyTorch file, truncated, holding code (refused, never run), not a captioner
-    checkpoint, from a version this code cannot read, or with weights that are NaN or infinite."""
+    checkpoint, from a version this code cannot read, with parts missing or not of their types, or with
+    weights that are NaN or infinite."""
     path = Path(path)
     payload = _read(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a captioner checkpoint (no 'format: {FORMAT}' marker)")
+    _check_layout(path, payload)
     if payload.get("version") == 1:
         payload = _upgrade_v1(payload)
     if payload.get("version") == 2:
         payload = _upgrade_v2(payload)
     if payload.get("version") != VERSION:
         raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}, this code reads 1 to {VERSION}")
-    missing = [k for k in ("config", "vocab", "model") if k not in payload]
+    missing = [k for k in ("config", "vocab", "model") if payload.get(k) is None]
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing)}")
     try:
@@ -120,7 +123,26 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         model_state=payload["model"],
         train_state=payload.get("train_state"),
         meta=payload.get("meta") or {},
+        source=str(path),
     )
+
+
+def _check_layout(path: Path, payload: dict[str, Any]) -> None:
+    """CheckpointError (one line) for a part that loading reads but that is not of its type, in a file with
+    the format marker (made by hand, or by other code): the weights a mapping of names to tensors, the
+    vocabulary a list of words, the rest mappings. A missing part is reported after the version upgrades."""
+    model = payload.get("model")
+    if "model" in payload and not (isinstance(model, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
+        raise CheckpointError(f"{path}: its 'model' is not a state dict (weight names -> tensors)")
+    for key in ("config", "model_config", "train_state", "meta"):
+        if payload.get(key) is not None and not isinstance(payload[key], dict):
+            raise CheckpointError(f"{path}: its '{key}' is a {type(payload[key]).__name__}, not a mapping")
+    if "vocab" in payload:
+        try:
+            Vocabulary.from_list(payload["vocab"])
+        except VocabularyError as e:
+            raise CheckpointError(f"{path}: {e}") from None
 
 
 def _read(path: Path) -> Any:
@@ -204,15 +226,24 @@ def restore_model(ckpt: Checkpoint, path: str | Path = "checkpoint") -> CaptionM
 
 def average_checkpoints(paths: list[str | Path]) -> Checkpoint:
     """The mean of several checkpoints' weights (say the last few validations of one run), with the
-    first one's config, vocabulary and meta and no resume state. They must share the model config
-    and the vocabulary; integer buffers (BatchNorm's counters) are the first one's."""
+    first one's config, vocabulary and meta and no resume state. They must share the model config,
+    the vocabulary and the weights' names and shapes, and the first one's weights must fit its model
+    (so the mean loads); integer buffers (BatchNorm's counters) are the first one's."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
     ckpts = [load_checkpoint(p) for p in paths]
     first = ckpts[0]
+    restore_model(first, paths[0])
+    shapes = {k: tuple(v.shape) for k, v in first.model_state.items()}
     for path, ckpt in zip(paths[1:], ckpts[1:]):
         if ckpt.model_config != first.model_config or ckpt.vocab != first.vocab:
             raise CheckpointError(f"{path}: another model config or vocabulary than {paths[0]}: cannot average")
+        theirs = {k: tuple(v.shape) for k, v in ckpt.model_state.items()}
+        differ = sorted(k for k in shapes.keys() | theirs.keys() if shapes.get(k) != theirs.get(k))
+        if differ:
+            raise CheckpointError(f"{path}: other weights than {paths[0]} ({len(differ)} differ in name or shape, "
+                                  f"e.g. {differ[0]}: {theirs.get(differ[0], 'missing')} against "
+                                  f"{shapes.get(differ[0], 'missing')}): cannot average")
     state = {}
     for key, value in first.model_state.items():
         if value.is_floating_point():
