@@ -9,11 +9,11 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
-from captioner.errors import CaptionerError
+from captioner.errors import WRITE_ERRORS, CaptionerError
 
 
 def cache_home() -> Path:
@@ -41,12 +41,19 @@ def writable_dir(path: str | Path, what: str = "folder") -> Path:
     return path
 
 
-def writable_file(path: str | Path, what: str = "output") -> Path:
+def writable_file(path: str | Path, what: str = "output", inputs: Iterable[str | Path] = ()) -> Path:
     """Make sure `path` can be written (its folder exists or can be made, and is writable; the path
-    is not a folder), before the work that produces it starts."""
+    is not a folder, a device or a pipe, nor one of the command's `inputs`), before the work that
+    produces it starts."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise CaptionerError(f"{path}: is a folder; give a file name for the {what}")
+    if path.exists() and not path.is_file():
+        raise CaptionerError(f"{path}: is not a regular file (a device or a pipe); give a file name for the {what}")
+    for source in inputs:
+        with contextlib.suppress(OSError):
+            if path.exists() and os.path.samefile(path, source):
+                raise CaptionerError(f"{path}: is one of the command's inputs; give another file name for the {what}")
     writable_dir(path.parent if str(path.parent) else Path("."))
     if path.exists() and not os.access(path, os.W_OK):
         raise CaptionerError(f"{path}: cannot write here (permission denied)")
@@ -63,13 +70,24 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str | None = "utf-8
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # what open() would have made: mkstemp's 0600 hides a shared model from others
     try:
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+        with naming_write_errors(path), os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def naming_write_errors(path: str | Path) -> Iterator[None]:
+    """A full or failing disk while writing `path`: the system's OSError names no file; re-raised naming it."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno in WRITE_ERRORS:
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
 
 
@@ -88,7 +106,8 @@ def staged_files(folder: str | Path, last: str | None = None) -> Iterator[Path]:
     folder = Path(folder)
     stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", suffix=".tmp", dir=folder.parent))
     try:
-        yield stage
+        with naming_write_errors(folder):
+            yield stage
         for f in sorted(stage.iterdir(), key=lambda f: f.name == last):
             os.replace(f, folder / f.name)
     finally:

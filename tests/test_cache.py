@@ -96,6 +96,20 @@ def test_valid_cache_is_reused_without_recompute(tmp_path, encoder, monkeypatch)
     np.testing.assert_array_equal(again.get(good[1]), result.cache.get(good[1]))
 
 
+def test_a_full_disk_while_caching_names_the_cache_folder(tmp_path, encoder, monkeypatch):
+    import errno
+
+    good = _good(tmp_path / "img", 3)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        build_cache(good, encoder, tmp_path / "cache", progress=False)
+    assert e.value.errno == errno.ENOSPC and str(tmp_path / "cache") in e.value.filename
+
+
 def test_rows_are_read_into_memory_of_their_own_not_mapped(tmp_path, encoder):
     """A row is a new array read from its shard, never a view of a memory map: a map keeps every page
     it touched in the process's resident memory, which would grow to the whole cache over an epoch."""

@@ -292,3 +292,71 @@ def test_a_version_2_checkpoint_gets_its_detectors_word_outputs_from_the_weights
                 "vocab": GROUPED_VOCAB.to_list(), "model": state, "train_state": None, "meta": {}}, path)
     restored, _ = _restored(path)
     assert torch.equal(restored.decoder.detector_slots, slots)
+
+
+@pytest.mark.parametrize("part, value, words", [
+    ("model", [1, 2], ["'model' is not a state dict"]),
+    ("model", {"decoder.readout.bias": 3}, ["'model' is not a state dict"]),
+    ("config", "model: x", ["'config' is a str, not a mapping"]),
+    ("meta", "note", ["'meta' is a str, not a mapping"]),
+    ("train_state", [1], ["'train_state' is a list, not a mapping"]),
+    ("vocab", 7, ["vocabulary must be a list of words"]),
+    ("vocab", ["<pad>", "<start>", "<end>", "<unk>", 5], ["vocabulary entry 4"]),
+    ("config", None, ["lacks config"]),
+    ("model", None, ["lacks model"]),
+])
+def test_a_marked_checkpoint_with_a_malformed_part_is_one_line_naming_the_file(tmp_path, part, value, words):
+    _, path = _saved(tmp_path)
+    payload = torch.load(path, weights_only=True)
+    payload[part] = value
+    if value is None:
+        del payload[part]
+    torch.save(payload, tmp_path / "malformed.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path / "malformed.pt")
+    _one_line(e, "malformed.pt", *words)
+
+
+def test_an_export_folder_given_as_a_checkpoint_says_to_run_it_with_onnx(tmp_path, capsys):
+    from PIL import Image
+
+    from captioner.cli import main
+
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("{}")
+    Image.new("RGB", (8, 8)).save(tmp_path / "photo.png")
+    for argv in (["caption", str(tmp_path / "photo.png"), "--checkpoint", str(folder)],
+                 ["evaluate", "--checkpoint", str(folder), "--no-meteor"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and f"{folder}: an exported model folder" in err and "--runtime onnx" in err, err
+
+
+def test_averaging_refuses_weights_that_differ_or_do_not_fit_naming_the_files(tmp_path, capsys):
+    from captioner.cli import main
+
+    model, good = _saved(tmp_path)
+    state = model.state_dict()
+    del state["decoder.readout.bias"]
+    lacking = save_checkpoint(tmp_path / "lacking.pt", Config(model=CFG), VOCAB, state)
+    lacking2 = save_checkpoint(tmp_path / "lacking2.pt", Config(model=CFG), VOCAB, state)
+    out = tmp_path / "avg.pt"
+    for inputs, words in (((good, lacking), ["lacking.pt: other weights than", "model.pt", "decoder.readout.bias"]),
+                          ((lacking, lacking2), ["lacking.pt: weights do not fit", "decoder.readout.bias"])):
+        assert main(["average", *map(str, inputs), "-o", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and all(w in err for w in words), err
+        assert not out.exists()
+
+
+def test_an_ensemble_that_does_not_fit_names_both_files_in_evaluate(tmp_path, capsys):
+    from captioner.cli import main
+
+    _, first = _saved(tmp_path)
+    other_vocab = Vocabulary([*VOCAB.to_list(), "square"])
+    other = save_checkpoint(tmp_path / "other.pt", Config(model=CFG), other_vocab,
+                            build_model(CFG, len(other_vocab)).state_dict())
+    assert main(["evaluate", "--checkpoint", str(first), str(other), "--no-meteor"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{other}: another encoder or vocabulary than {first}" in err, err

@@ -96,3 +96,24 @@ def test_an_image_in_memory_is_treated_exactly_as_its_file(tmp_path, mode):
     assert opened.size == size and opened.mode == mode_before
     if mode != "I;16":
         assert from_memory.size == (10, 30)  # upright
+
+
+def test_a_photo_from_a_pipe_is_read_once_from_memory(tmp_path):
+    """`cat photo.jpg | captioner caption /dev/stdin`: a pipe has no size to check and cannot seek."""
+    import os
+    import threading
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 200, 10)).save(buffer, format="PNG")
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=lambda: pipe.write_bytes(buffer.getvalue()))
+    writer.start()
+    image = load_image(pipe)
+    writer.join()
+    assert image.size == (40, 30) and image.getpixel((5, 5)) == (10, 200, 10)
+    writer = threading.Thread(target=lambda: pipe.write_bytes(b""))
+    writer.start()
+    with pytest.raises(ImageError, match="pipe: nothing to read"):
+        load_image(pipe)
+    writer.join()

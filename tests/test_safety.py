@@ -303,3 +303,77 @@ def test_atomic_writes_get_the_usual_permissions(tmp_path):
     finally:
         os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_a_full_disk_names_the_file_and_keeps_what_was_there(tmp_path, monkeypatch):
+    """The system's ENOSPC names no file: the writer names it, the earlier file stays whole and no
+    temporary is left behind."""
+    import errno
+
+    from captioner.files import atomic_write_text
+
+    target = atomic_write_text(tmp_path / "report.json", "earlier")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        atomic_write_text(target, "later")
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(target))
+    assert target.read_text() == "earlier" and sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_captions_printed_to_a_full_disk_end_in_one_line(tmp_path):
+    photo = tmp_path / "x.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(photo)
+    with open("/dev/full", "w") as full:  # the bundled model captions it
+        proc = subprocess.run([sys.executable, "-m", "captioner.cli", "caption", str(photo)], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "captioner: error: standard output: No space left on device\n"
+
+
+def test_an_output_that_is_a_pipe_or_an_input_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("captioner.decoding.captioner.Captioner.from_checkpoint", lambda *a, **k: pytest.fail("worked"))
+    image = tmp_path / "x.png"
+    Image.new("RGB", (8, 8)).save(image)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert main(["visualize", str(image), "--checkpoint", "m.pt", "-o", str(pipe)]) == 2
+    _one_line_error(capsys, str(pipe), "not a regular file")
+    assert pipe.is_fifo()
+    assert main(["visualize", str(image), "--checkpoint", "m.pt", "-o", str(image)]) == 2
+    _one_line_error(capsys, str(image), "one of the command's inputs")
+    assert image.stat().st_size > 0 and Image.open(image).size == (8, 8)
+
+
+def test_a_run_never_writes_over_the_config_it_reads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("captioner.recipes.train.train", lambda *a, **k: pytest.fail("trained"))
+    config = tmp_path / "exp" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text("# my notes\n" + TINY)
+    assert main(["train", "--config", str(config), "--out", str(config.parent)]) == 2
+    _one_line_error(capsys, str(config), "another --out")
+    assert config.read_text().startswith("# my notes")
+
+
+def test_prepare_refuses_an_empty_encoder_batch_before_reading_data(capsys, monkeypatch):
+    monkeypatch.setattr("captioner.recipes.prepare.prepare", lambda *a, **k: pytest.fail("prepared"))
+    assert main(["prepare", "--data", "shapes", "--batch-size", "0"]) == 2
+    _one_line_error(capsys, "--batch-size", "0")
+
+
+def test_the_demo_checks_its_photo_folder_before_training_and_passes_over_a_bad_photo(tmp_path, capsys,
+                                                                                      monkeypatch, caplog):
+    from captioner.recipes.demo import sample_photos
+
+    monkeypatch.setattr("captioner.recipes.demo.train", lambda *a, **k: pytest.fail("trained"))
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--photos", str(tmp_path / "nowhere")]) == 2
+    _one_line_error(capsys, "nowhere", "not there")
+    (tmp_path / "a.jpg").write_text("not a photo")
+    Image.new("RGB", (32, 24)).save(tmp_path / "b.jpg")
+    photos = sample_photos(tmp_path)
+    assert [p.name for p in photos[1:]] == ["b.jpg"]
+    assert "a.jpg: not an image" in caplog.text

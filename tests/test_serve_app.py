@@ -1,6 +1,6 @@
 """The app's frame, in-process and through uvicorn: the lifespan (the model and its batcher on
 app.state), JSON errors for everything (404, 405, a failing model, a bug: 500), a client that goes
-away mid-upload, the schema /docs shows, and example images that suit the model."""
+away mid-upload, the schema /docs shows, example images that suit the model, and settings that do not fit."""
 import dataclasses
 import io
 import json
@@ -18,7 +18,7 @@ from captioner.config import DataConfig
 from captioner.decoding.captioner import Captioner
 from captioner.model.checkpoint import load_checkpoint, save_checkpoint
 from captioner.serve.app import create_app
-from captioner.serve.batcher import Options
+from captioner.serve.batcher import Batcher, Options
 from captioner.serve.page import examples_for
 
 from servers import Server
@@ -158,3 +158,27 @@ def test_examples_must_be_a_folder(sharp_checkpoint_file, tmp_path, capsys):
     code = main(["serve", "--checkpoint", str(sharp_checkpoint_file), "--examples", str(tmp_path / "none")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == f"captioner: error: --examples {tmp_path / 'none'}: not a folder"
+
+
+@pytest.mark.parametrize("option, value, shown", [
+    ("--max-mb", "nan", "nan is not allowed (must be (0, 1024])"),  # was a ValueError from int(nan)
+    ("--max-mb", "inf", "inf is not allowed (must be (0, 1024])"),  # an OverflowError
+    ("--max-delay-ms", "nan", "nan is not allowed (must be [0, 10000])"),  # the model thread spun, never answering
+    ("--max-delay-ms", "inf", "inf is not allowed (must be [0, 10000])"),  # the model thread died
+    ("--max-delay-ms", "1e300", "1e+300 is not allowed (must be [0, 10000])"),  # past the longest wait a queue has
+    ("--examples", "", "empty path (an unset shell variable?)"),  # was the current folder
+])
+def test_serving_settings_that_do_not_fit_are_one_line_before_any_work(option, value, shown, monkeypatch, capsys):
+    def load_captioner(*args, **kwargs):
+        raise AssertionError("the model loaded: the bad value was not refused first")
+
+    monkeypatch.setattr(serve_cli, "load_captioner", load_captioner)
+    code = main(["serve", "--port", "0", option, value])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"captioner: error: {option}: {shown}"
+
+
+@pytest.mark.parametrize("delay", [float("nan"), float("inf")])
+def test_the_batcher_refuses_a_wait_that_never_ends(sharp_captioner, delay):
+    with pytest.raises(ValueError, match="max_delay_ms"):
+        Batcher(sharp_captioner, max_delay_ms=delay)

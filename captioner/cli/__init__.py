@@ -12,7 +12,7 @@ import os
 import sys
 
 from captioner.cli import average, caption, demo, evaluate, export, prepare, serve, train, visualize
-from captioner.errors import CaptionerError
+from captioner.errors import WRITE_ERRORS, CaptionerError
 
 COMMANDS = (demo, prepare, train, caption, visualize, evaluate, serve, export, average)
 
@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("captioner").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
-        return args.func(args)
+        status = args.func(args)
+        if sys.stdout is not None:
+            sys.stdout.flush()  # inside the try: a full disk or a closed pipe behind stdout is reported here
+        return status
     except CaptionerError as e:
         print(f"captioner: error: {e}", file=sys.stderr)
         return 2
@@ -47,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # a full disk, a read-only folder, a vanished file: the system's own words
-        where = f"{e.filename}: " if e.filename else ""
+        # the files captioner writes are named where they are written (`files.naming_write_errors`):
+        # a write error naming none is the output the command prints
+        where = f"{e.filename}: " if e.filename else "standard output: " if e.errno in WRITE_ERRORS else ""
         print(f"captioner: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from captioner.cli.common import (add_batch_size, add_decode_options, add_device, add_runtime, add_text,
-                                  decode_overrides, load_captioner, word_logprobs)
+                                  decode_overrides, load_captioner, refuse_empty_paths, word_logprobs)
 from captioner.errors import CaptionerError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -56,7 +56,10 @@ def expand_images(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the captions could go nowhere
+        raise CaptionerError("standard output is closed: nowhere to print the captions")
     settings = decode_overrides(args)
+    refuse_empty_paths([("IMG", image) for image in args.images])
     paths, problems = expand_images(args.images)
     if not paths:
         raise CaptionerError(problems[0] if len(problems) == 1 else f"{' '.join(args.images)}: no image files found")

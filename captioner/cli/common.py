@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from captioner.errors import CaptionerError
@@ -40,11 +41,15 @@ def add_decode_options(p: argparse.ArgumentParser, bundled: bool = False) -> Non
 def add_decode_flags(p: argparse._ActionsContainer) -> None:
     """--beam, --max-length, --length-penalty, --no-repeat-ngram, --no-repeat-words / --repeat-words;
     left out = the checkpoint's own (read back with `decode_overrides`)."""
+    from captioner.config import LIMITS
+
     p.add_argument("--beam", type=int, dest="beam_size", metavar="K",
-                   help="beam size, 1 = greedy (default: the checkpoint's decode settings)")
+                   help=f"beam size, 1 = greedy, {LIMITS['decode']['beam_size']} (every beam holds its own state: "
+                        f"--beam 5000 took 4.5 GB) (default: the checkpoint's decode settings)")
     p.add_argument("--max-length", type=int, metavar="N", help="most words per caption (default: the checkpoint's)")
     p.add_argument("--length-penalty", type=float, metavar="EXPONENT",
-                   help="rank by logprob / length**EXPONENT (default: the checkpoint's)")
+                   help=f"rank by logprob / length**EXPONENT, EXPONENT {LIMITS['decode']['length_penalty']} "
+                        f"(length**300 overflows at 11 words) (default: the checkpoint's)")
     p.add_argument("--no-repeat-ngram", type=int, metavar="N",
                    help="never repeat an N-gram (default: the checkpoint's; 0 = off)")
     words = p.add_mutually_exclusive_group()
@@ -99,6 +104,27 @@ def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def check_range(flag: str, value: float, low: float, high: float | None = None, low_open: bool = False) -> None:
+    """One line naming `flag` unless `value` lies in [low, high] ((low, high] with `low_open`; no `high`: no upper
+    bound), in the words of the config's own checks. nan never fits, nor inf under a `high`."""
+    above = low < value if low_open else low <= value
+    if above and (high is None or value <= high):
+        return
+    if high is None:
+        allowed = f"{'>' if low_open else '>='} {low:g}"
+    else:
+        allowed = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    raise CaptionerError(f"{flag}: {value!r} is not allowed (must be {allowed})")
+
+
+def refuse_empty_paths(named: list[tuple[str, str | None]]) -> None:
+    """One line naming the first (argument, path) given as '' (an unset shell variable: "$IMG"), which would
+    otherwise mean the current folder; None (not given) is fine."""
+    for name, path in named:
+        if path == "":
+            raise CaptionerError(f"{name}: empty path (an unset shell variable?)")
+
+
 def add_text(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--text", metavar="CAPTION",
                    help=f"no search: {what} these words (teacher-forced), each with its log-probability; "
@@ -140,6 +166,7 @@ def load_captioner(args: argparse.Namespace, teacher_forcing: bool = False) -> A
     the graphs from torch (`deploy.runtime`)."""
     if args.checkpoint is None:
         use_bundled_model(args)
+    refuse_empty_paths([("--checkpoint", path) for path in args.checkpoint])
     if getattr(args, "runtime", "torch") == "onnx":
         if len(args.checkpoint) > 1:
             raise CaptionerError("--runtime onnx takes one model (an ensemble runs with --runtime torch)")
@@ -152,9 +179,20 @@ def load_captioner(args: argparse.Namespace, teacher_forcing: bool = False) -> A
         from captioner.deploy.lite import lite_captioner
 
         return lite_captioner(args.checkpoint[0])
+    refuse_export_folders(args.checkpoint)
     from captioner.decoding.captioner import Captioner
 
     return Captioner.from_checkpoint(args.checkpoint, args.device)
+
+
+def refuse_export_folders(checkpoints: list[str]) -> None:
+    """One line for an export folder given where the torch runtime wants checkpoint files."""
+    from captioner.deploy import MANIFEST
+
+    for path in checkpoints:
+        if (Path(path) / MANIFEST).is_file():
+            raise CaptionerError(f"{path}: an exported model folder (of `captioner export`), not a checkpoint: "
+                                 f"run it with --runtime onnx")
 
 
 def print_evaluation(metrics: dict[str, float], grounding: Any, meteor_note: str = "java not found",

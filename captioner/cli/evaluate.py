@@ -15,6 +15,7 @@ from captioner.cli.common import (
     load_captioner,
     print_evaluation,
     print_grounding,
+    refuse_export_folders,
 )
 from captioner.errors import CaptionerError
 from captioner.files import atomic_write_text, writable_file
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         result, data = evaluate_split(captioner, exported_data(args.checkpoint[0]), args.split, args.data,
                                       args.image_root, args.limit, args.batch_size, **options, **settings)
     else:
+        refuse_export_folders(args.checkpoint)
         result, data = evaluate_checkpoint(args.checkpoint, args.split, args.data, args.image_root, args.limit,
                                            args.device, args.batch_size, **options, **settings)
     d = result.decode

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from captioner.cli.common import add_device, add_encoder_weights, add_overrides, overrides
+from captioner.errors import CaptionerError
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from captioner.recipes.prepare import prepare
     from captioner.device import resolve_device
 
+    if args.batch_size < 1:
+        raise CaptionerError(f"--batch-size: {args.batch_size} images per encoder batch; give 1 or more")
     cfg = load_config(args.config, overrides(args))
     data = dataclasses.replace(cfg.data, path=args.data) if args.data else cfg.data
     s = prepare(data, cfg.model.encoder, device=resolve_device(args.device), image_root=args.image_root,

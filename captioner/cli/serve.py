@@ -5,8 +5,12 @@ import argparse
 import socket
 from pathlib import Path
 
-from captioner.cli.common import add_decode_options, add_device, add_runtime, decode_overrides, load_captioner
+from captioner.cli.common import (add_decode_options, add_device, add_runtime, check_range, decode_overrides,
+                                  load_captioner, refuse_empty_paths)
 from captioner.errors import CaptionerError
+
+MAX_MB = 1024.0  # an upload is held in memory whole
+MAX_DELAY_MS = 10_000.0  # how long a lone request may wait for company: 10 s is already far past any use
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -19,12 +23,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                        "only; 0.0.0.0 for every network)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--max-mb", type=float, default=20.0, help="largest upload in MB (default 20)")
+    p.add_argument("--max-mb", type=float, default=20.0, help=f"largest upload in MB, at most {MAX_MB:g} (default 20)")
     p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image in pixels (default 50M)")
     p.add_argument("--max-batch", type=int, default=16, help="most requests captioned in one batch (default 16)")
     p.add_argument("--max-delay-ms", type=float, default=5.0,
-                   help="how long the first waiting request waits for others to join its batch (default 5)")
-    p.add_argument("--examples", metavar="DIR", type=Path,
+                   help=f"how long the first waiting request waits for others to join its batch, 0 to "
+                        f"{MAX_DELAY_MS:g} (default 5)")
+    p.add_argument("--examples", metavar="DIR",
                    help="example images to offer on the page (default: the drawn shapes for a model trained on "
                         "the built-in shapes set, none for any other)")
     p.set_defaults(func=run)
@@ -32,8 +37,6 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def _listen(host: str, port: int) -> socket.socket:
     """A bound, listening socket, so a busy port fails before the model loads (and port 0 works)."""
-    if not 0 <= port <= 65535:
-        raise CaptionerError(f"--port {port}: expected 0 to 65535")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
@@ -63,7 +66,20 @@ def _trained_on(args: argparse.Namespace) -> str:
 def _examples(args: argparse.Namespace) -> dict[str, Path]:
     from captioner.serve.page import examples_for
 
-    return examples_for(_trained_on(args), args.examples)
+    return examples_for(_trained_on(args), None if args.examples is None else Path(args.examples))
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The serving settings, checked before any work: one line for the first that does not fit (nan and inf
+    never do)."""
+    check_range("--port", args.port, 0, 65535)
+    check_range("--max-mb", args.max_mb, 0, MAX_MB, low_open=True)
+    check_range("--max-pixels", args.max_pixels, 1)
+    check_range("--max-batch", args.max_batch, 1)
+    check_range("--max-delay-ms", args.max_delay_ms, 0, MAX_DELAY_MS)
+    refuse_empty_paths([("--examples", args.examples)])  # '' (an unset variable) is not the current folder
+    if args.examples is not None and not Path(args.examples).is_dir():
+        raise CaptionerError(f"--examples {args.examples}: not a folder")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,10 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     from captioner.serve.app import Limits, create_app
 
-    if args.max_mb <= 0 or args.max_pixels <= 0 or args.max_batch < 1 or args.max_delay_ms < 0:
-        raise CaptionerError("--max-mb, --max-pixels and --max-batch must be positive, --max-delay-ms >= 0")
-    if args.examples is not None and not args.examples.is_dir():
-        raise CaptionerError(f"--examples {args.examples}: not a folder")
+    _check(args)
     settings = decode_overrides(args)
     sock = _listen(args.host, args.port)
     captioner = load_captioner(args)

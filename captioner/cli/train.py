@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from captioner.cli.common import add_device, add_encoder_weights, add_overrides, overrides
+from captioner.errors import CaptionerError
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.resume).parent
     else:
         out = Path("runs") / (Path(args.config).stem if args.config else "train")
+    _keep_config_file(args.config, out)
     result = train(cfg, out, args.device, resume=args.resume, overwrite=args.overwrite)
     if result.interrupted is not None:
         if os.environ.get("RANK", "0") == "0":
@@ -63,3 +65,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"last:     {result.last}")
         print(f"metrics:  {result.out_dir / 'metrics.jsonl'}")
     return 0
+
+
+def _keep_config_file(config: str | None, out: Path) -> None:
+    """A run writes its resolved config to OUT/config.yaml: refuse an --out that would replace the
+    config file the command reads (its comments and layout lost) before anything starts."""
+    from captioner.training.state import CONFIG
+
+    written = out / CONFIG
+    if config and Path(config).is_file() and written.is_file() and os.path.samefile(config, written):
+        raise CaptionerError(f"{config}: is the config this command reads, and the run would write its resolved "
+                             f"config over it; give another --out, or copy the config out of {out}")

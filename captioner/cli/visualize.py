@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from captioner.cli.common import (add_decode_options, add_device, add_runtime, add_text, decode_overrides,
-                                  load_captioner, use_bundled_model, word_logprobs)
+                                  load_captioner, refuse_empty_paths, use_bundled_model, word_logprobs)
 from captioner.errors import CaptionerError
 from captioner.files import writable_dir, writable_file
 
@@ -36,9 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from captioner.pictures.figures import plot_attention
 
     settings = decode_overrides(args)
+    refuse_empty_paths([("IMG", args.image), ("--out", args.out), ("--per-word", args.per_word), ("--gif", args.gif),
+                        ("--boxes", args.boxes)])
     for path, what in ((args.out, "picture"), (args.gif, "GIF")):
         if path:
-            writable_file(path, what)  # before the model loads, not after
+            writable_file(path, what, inputs=[args.image])  # before the model loads, not after
     if args.per_word:
         writable_dir(args.per_word, "folder for the per-word pictures")
     if not 0 <= args.opacity <= 1:

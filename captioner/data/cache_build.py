@@ -27,7 +27,7 @@ from captioner.data.cache import (ALIAS_GLOB, FAILED_GLOB, SHARD_GLOB, VERSION, 
                                   content_digest, folder_name, image_identity)
 from captioner.data.images import ImageError, load_image
 from captioner.data.records import Record
-from captioner.files import atomic_write_text, remove_stale_temporaries
+from captioner.files import atomic_write_text, naming_write_errors, remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ class _ShardWriter:
             if self.file is None:
                 self.file = open(self._path(".f16", temporary=True), "wb")
             take = min(self.per_shard - len(self.images), len(identities) - done)
-            self.file.write(np.ascontiguousarray(features[done: done + take]).tobytes())
+            with naming_write_errors(self._path(".f16")):
+                self.file.write(np.ascontiguousarray(features[done: done + take]).tobytes())
             self.images += identities[done: done + take]
             done += take
             if len(self.images) == self.per_shard:
@@ -237,9 +238,10 @@ class _ShardWriter:
         """The current shard's features renamed into place, then its index: from now on it exists."""
         if self.file is None:
             return
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with naming_write_errors(self._path(".f16")):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
         os.replace(self._path(".f16", temporary=True), self._path(".f16"))
         index = {"version": VERSION, "key": self.key, "grid": list(self.grid), "dim": self.dim,
                  "images": [[*ident, digest] for ident, digest in self.images]}

@@ -61,6 +61,12 @@ def load_image(path: str | Path, draft: int | None = None) -> Image.Image:
     if path.is_dir():
         raise ImageError(f"{path}: is a folder, not an image file")
     with _reading(path):
+        if path.exists() and not path.is_file():  # a pipe (/dev/stdin, <(curl ...)): read once, from memory
+            data = path.read_bytes()
+            if not data:
+                raise ImageError(f"{path}: nothing to read")
+            with Image.open(io.BytesIO(data)) as im:
+                return _decoded(im, path, draft)
         if path.stat().st_size == 0:
             raise ImageError(f"{path}: empty file")
         with Image.open(path) as im:

@@ -8,15 +8,17 @@ photos of `photos_dir` too, when given) and draws where it looked.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.config import Config, load_config
-from captioner.data.images import load_image
+from captioner.data.images import ImageError, load_image
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.evaluation import Evaluation, evaluate_records
+from captioner.errors import CaptionerError
 from captioner.pictures.figures import plot_attention
 from captioner.recipes.train import TrainResult, train
 
@@ -35,13 +37,32 @@ class DemoResult:
 
 
 def sample_photos(photos_dir: str | Path | None = None, n: int = 3) -> list[Path]:
-    """Real photos at hand offline: matplotlib's sample photo, and the first `n` of `photos_dir`."""
+    """Real photos at hand offline: matplotlib's sample photo, and the first `n` readable ones of
+    `photos_dir` (a photo that cannot be read is reported and passed over). Raises CaptionerError
+    when `photos_dir` is given but is not a folder of .jpg photos."""
     import matplotlib
 
     photos = [Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"]
-    if photos_dir is not None and Path(photos_dir).is_dir():
-        photos += sorted(Path(photos_dir).glob("*.jpg"))[:n]
+    if photos_dir is not None:
+        folder = Path(photos_dir)
+        if not folder.is_dir():
+            raise CaptionerError(f"{folder}: --photos needs a folder of photos; this is "
+                                 f"{'a file' if folder.exists() else 'not there'}")
+        found = sorted(folder.glob("*.jpg"))
+        if not found:
+            raise CaptionerError(f"{folder}: no .jpg photos in this folder")
+        photos += itertools.islice((p for p in found if _readable(p)), n)
     return [p for p in photos if p.is_file()]
+
+
+def _readable(path: Path) -> bool:
+    """Whether `path` decodes as a photo; if not, say why (once) and move on."""
+    try:
+        load_image(path)
+        return True
+    except ImageError as e:
+        log.warning("skipped: %s", e)
+        return False
 
 
 def caption_photos(photos: list[Path], out_dir: Path) -> list[tuple[Caption, Path]]:
@@ -70,6 +91,7 @@ def run_demo(out_dir: str | Path, device: str = "auto", overrides: list[str] | N
     then caption and draw real photos with the bundled model (`sample_photos(photos_dir)`)."""
     out_dir = Path(out_dir)
     cfg = demo_config(overrides)
+    photos = sample_photos(photos_dir)  # before training: a wrong folder fails now, not in five minutes
     result = train(cfg, out_dir, device, overwrite=True)  # the demo's folder is the demo's: a rerun replaces it
     captioner = Captioner.from_checkpoint(result.best or result.last, device)
     test = [r for r in load_records(cfg.data) if r.split == "test"]
@@ -79,4 +101,4 @@ def run_demo(out_dir: str | Path, device: str = "auto", overrides: list[str] | N
     record = max(test, key=lambda r: len(r.boxes))
     example = captioner.caption([record.image])[0]
     picture = plot_attention(load_image(record.image), example, out_dir / "attention.png")
-    return DemoResult(result, evaluation, example, picture, caption_photos(sample_photos(photos_dir), out_dir))
+    return DemoResult(result, evaluation, example, picture, caption_photos(photos, out_dir))

@@ -63,8 +63,8 @@ class Batcher:
     """
 
     def __init__(self, captioner: Captioner, max_batch: int = 16, max_delay_ms: float = 5.0) -> None:
-        if max_batch < 1 or max_delay_ms < 0:
-            raise ValueError(f"max_batch {max_batch} (>= 1), max_delay_ms {max_delay_ms} (>= 0)")
+        if max_batch < 1 or not 0 <= max_delay_ms / 1000.0 <= threading.TIMEOUT_MAX:  # nan and inf neither
+            raise ValueError(f"max_batch {max_batch} (>= 1), max_delay_ms {max_delay_ms} (>= 0, a finite wait)")
         self.captioner = captioner
         self.max_batch = max_batch
         self.max_delay = max_delay_ms / 1000.0

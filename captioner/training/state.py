@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from captioner.config import Config, to_dict
 from captioner.data.order import EpochBatchSampler, mix_seed, steps_per_epoch
 from captioner.data.vocab import Vocabulary
-from captioner.files import atomic_write_text
+from captioner.files import atomic_write_text, naming_write_errors
 from captioner.model.caption_model import CaptionModel
 from captioner.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.training.distributed import DistInfo, all_gather_objects, barrier, capture_rng, restore_rng
@@ -222,7 +222,7 @@ def save_best(run: Run, name: str = BEST) -> Path:
 
 def append_metrics(run: Run, line: dict[str, Any]) -> None:
     """One line of metrics.jsonl (rank 0), and the same scalars to TensorBoard when it is installed."""
-    with open(run.out_dir / METRICS, "a") as f:
+    with naming_write_errors(run.out_dir / METRICS), open(run.out_dir / METRICS, "a") as f:
         f.write(json.dumps(line) + "\n")
     if run.writer is not None:
         for k, v in line.items():
