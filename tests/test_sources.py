@@ -160,6 +160,15 @@ def test_karpathy_boxes_must_be_a_list(tmp_path):
         load_records(path)
 
 
+@pytest.mark.parametrize("box", [{"x0": 1, "y0": 2, "x1": 1, "y1": 9}, {"x0": 0, "y0": 0, "x1": 1e400, "y1": 5}])
+def test_karpathy_boxes_must_have_finite_area(tmp_path, box):
+    path = tmp_path / "dataset_x.json"
+    path.write_text(json.dumps({"images": [{"filename": "a.jpg", "split": "train", "sentences": [{"raw": "a dog"}],
+                                            "boxes": [{"label": "dog", **box}]}]}))
+    with pytest.raises(SourceError, match=r"dataset_x\.json: key 'images\[0\]\.boxes\[0\]': box .* is not finite"):
+        load_records(path)
+
+
 def test_flickr_split_list_not_utf8_is_named(tmp_path):
     (tmp_path / "Flickr8k.token.txt").write_text("a.jpg#0\tA dog runs.\n")
     (tmp_path / "Flickr_8k.trainImages.txt").write_bytes("a.jpg\ncaf\u00e9.jpg\n".encode("latin-1"))

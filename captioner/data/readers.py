@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -162,8 +163,12 @@ def _boxes_of(im: dict, path: Path, where: str) -> list:
 
 
 def _box(b: Any, path: Path, where: str) -> Box:
+    """An image entry's box {label, x0, y0, x1, y1}: finite pixel coordinates with x0 < x1 and y0 < y1."""
     label = _require(b, "label", str, path, where)
     x0, y0, x1, y1 = (float(_require(b, k, (int, float), path, where)) for k in ("x0", "y0", "x1", "y1"))
+    if not all(math.isfinite(v) for v in (x0, y0, x1, y1)) or not (x0 < x1 and y0 < y1):
+        raise SourceError(f"{path}: key '{where.rstrip('.')}': box {[x0, y0, x1, y1]} is not finite with "
+                          f"x0 < x1 and y0 < y1")
     return Box(label, x0, y0, x1, y1)
 
 
