@@ -104,17 +104,13 @@ def decode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
-def check_range(flag: str, value: float, low: float, high: float | None = None, low_open: bool = False) -> None:
-    """One line naming `flag` unless `value` lies in [low, high] ((low, high] with `low_open`; no `high`: no upper
-    bound), in the words of the config's own checks. nan never fits, nor inf under a `high`."""
-    above = low < value if low_open else low <= value
-    if above and (high is None or value <= high):
-        return
-    if high is None:
-        allowed = f"{'>' if low_open else '>='} {low:g}"
-    else:
-        allowed = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-    raise CaptionerError(f"{flag}: {value!r} is not allowed (must be {allowed})")
+def check_range(flag: str, value: float, spec: str) -> None:
+    """One line naming `flag` unless `value` lies within `spec`, in the config schema's notation and words
+    ("[0, 10]", "(0, 1024]", ">= 1"; nan never does)."""
+    from captioner.config.schema import allows
+
+    if not allows(spec, value):
+        raise CaptionerError(f"{flag}: {value!r} is not allowed (must be {spec})")
 
 
 def refuse_empty_paths(named: list[tuple[str, str | None]]) -> None:

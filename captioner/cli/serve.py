@@ -72,11 +72,11 @@ def _examples(args: argparse.Namespace) -> dict[str, Path]:
 def _check(args: argparse.Namespace) -> None:
     """The serving settings, checked before any work: one line for the first that does not fit (nan and inf
     never do)."""
-    check_range("--port", args.port, 0, 65535)
-    check_range("--max-mb", args.max_mb, 0, MAX_MB, low_open=True)
-    check_range("--max-pixels", args.max_pixels, 1)
-    check_range("--max-batch", args.max_batch, 1)
-    check_range("--max-delay-ms", args.max_delay_ms, 0, MAX_DELAY_MS)
+    check_range("--port", args.port, "[0, 65535]")
+    check_range("--max-mb", args.max_mb, f"(0, {MAX_MB:g}]")
+    check_range("--max-pixels", args.max_pixels, ">= 1")
+    check_range("--max-batch", args.max_batch, ">= 1")
+    check_range("--max-delay-ms", args.max_delay_ms, f"[0, {MAX_DELAY_MS:g}]")
     refuse_empty_paths([("--examples", args.examples)])  # '' (an unset variable) is not the current folder
     if args.examples is not None and not Path(args.examples).is_dir():
         raise CaptionerError(f"--examples {args.examples}: not a folder")

@@ -42,7 +42,7 @@ LIMITS: dict[str, dict[str, str]] = {
 }
 
 
-def _allows(spec: str, value: float) -> bool:
+def allows(spec: str, value: float) -> bool:
     if spec.startswith(">="):
         return value >= float(spec[2:])
     if spec.startswith(">"):
@@ -70,7 +70,7 @@ class _Section:
                 allowed = ", ".join(repr(c) for c in choices)
                 raise ConfigError(f"config key '{key}': {value!r} is not allowed (one of {allowed})")
             spec = limits.get(f.name)
-            if spec and isinstance(value, (int, float)) and not _allows(spec, value):
+            if spec and isinstance(value, (int, float)) and not allows(spec, value):
                 raise ConfigError(f"config key '{key}': {value!r} is not allowed (must be {spec})")
 
 
