@@ -20,6 +20,7 @@ from PIL import Image
 
 from captioner.cli import main
 from captioner.config import LIMITS, Config, load_config
+from captioner.errors import CaptionerError
 from captioner.model.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -372,8 +373,12 @@ def test_the_demo_checks_its_photo_folder_before_training_and_passes_over_a_bad_
     monkeypatch.setattr("captioner.recipes.demo.train", lambda *a, **k: pytest.fail("trained"))
     assert main(["demo", "--out", str(tmp_path / "demo"), "--photos", str(tmp_path / "nowhere")]) == 2
     _one_line_error(capsys, "nowhere", "not there")
+    with pytest.raises(CaptionerError, match="no photos in this folder"):
+        sample_photos(tmp_path)
     (tmp_path / "a.jpg").write_text("not a photo")
+    (tmp_path / "notes.txt").write_text("not a photo either, and not read as one")
     Image.new("RGB", (32, 24)).save(tmp_path / "b.jpg")
+    Image.new("RGB", (32, 24)).save(tmp_path / "c.PNG")  # any image suffix, any case
     photos = sample_photos(tmp_path)
-    assert [p.name for p in photos[1:]] == ["b.jpg"]
-    assert "a.jpg: not an image" in caplog.text
+    assert [p.name for p in photos[1:]] == ["b.jpg", "c.PNG"]
+    assert "a.jpg: not an image" in caplog.text and "notes.txt" not in caplog.text

@@ -13,8 +13,6 @@ from captioner.cli.common import (add_batch_size, add_decode_options, add_device
                                   decode_overrides, load_captioner, refuse_empty_paths, word_logprobs)
 from captioner.errors import CaptionerError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-
 
 def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("caption", help="caption images with a trained checkpoint")
@@ -34,9 +32,10 @@ def expand_images(items: list[str]) -> tuple[list[str], list[str]]:
     """Files named as given (any extension); folders and glob patterns (expanded here too: quoted on
     the shell, or on Windows) -> their image files by extension, sorted. Returns (paths, problems):
     a folder or pattern without images is a problem, reported like an unreadable image."""
+    from captioner.data.images import IMAGE_SUFFIXES, is_image_file  # numpy and Pillow: not for `--help`
 
     def images_in(candidates: Iterable[Path]) -> list[str]:
-        return sorted(str(f) for f in candidates if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+        return sorted(str(f) for f in candidates if is_image_file(f))
 
     paths: list[str] = []
     problems: list[str] = []
@@ -51,7 +50,7 @@ def expand_images(items: list[str]) -> tuple[list[str], list[str]]:
             continue
         paths += found
         if not found:
-            problems.append(f"{item}: no image files ({' '.join(IMAGE_EXTENSIONS)}) found here")
+            problems.append(f"{item}: no image files ({' '.join(IMAGE_SUFFIXES)}) found here")
     return paths, problems
 
 

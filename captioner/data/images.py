@@ -18,8 +18,15 @@ from captioner.errors import CaptionerError
 
 log = logging.getLogger(__name__)
 
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")  # what a folder's images are
 _ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 _WHITE = (255, 255, 255)
+
+
+def is_image_file(path: Path) -> bool:
+    """Whether `path` is a file named as an image (`IMAGE_SUFFIXES`, any case): what a folder given
+    for its images contributes."""
+    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
 
 
 class ImageError(CaptionerError):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from captioner.config import Config, load_config
-from captioner.data.images import ImageError, load_image
+from captioner.data.images import IMAGE_SUFFIXES, ImageError, is_image_file, load_image
 from captioner.data.sources import load_records
 from captioner.decoding.captioner import Caption, Captioner
 from captioner.decoding.evaluation import Evaluation, evaluate_records
@@ -39,7 +39,7 @@ class DemoResult:
 def sample_photos(photos_dir: str | Path | None = None, n: int = 3) -> list[Path]:
     """Real photos at hand offline: matplotlib's sample photo, and the first `n` readable ones of
     `photos_dir` (a photo that cannot be read is reported and passed over). Raises CaptionerError
-    when `photos_dir` is given but is not a folder of .jpg photos."""
+    when `photos_dir` is given but is not a folder of photos."""
     import matplotlib
 
     photos = [Path(matplotlib.get_data_path()) / "sample_data" / "grace_hopper.jpg"]
@@ -48,9 +48,9 @@ def sample_photos(photos_dir: str | Path | None = None, n: int = 3) -> list[Path
         if not folder.is_dir():
             raise CaptionerError(f"{folder}: --photos needs a folder of photos; this is "
                                  f"{'a file' if folder.exists() else 'not there'}")
-        found = sorted(folder.glob("*.jpg"))
+        found = sorted(p for p in folder.iterdir() if is_image_file(p))
         if not found:
-            raise CaptionerError(f"{folder}: no .jpg photos in this folder")
+            raise CaptionerError(f"{folder}: no photos in this folder ({' '.join(IMAGE_SUFFIXES)})")
         photos += itertools.islice((p for p in found if _readable(p)), n)
     return [p for p in photos if p.is_file()]
 

@@ -19,7 +19,7 @@ from captioner.serve.schemas import error_responses
 
 STATIC = Path(str(resources.files("captioner.serve") / "static"))
 SHAPES = STATIC / "examples"  # drawn by captioner.data.shapes, for a model of the built-in shapes set
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+SHOWN_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")  # what every browser shows in an <img> (not TIFF)
 MAX_EXAMPLES = 12
 
 router = APIRouter(include_in_schema=False)
@@ -29,7 +29,7 @@ def list_examples(folder: Path | None) -> dict[str, Path]:
     """name -> file of the first MAX_EXAMPLES images of `folder` by name (none for None)."""
     if folder is None:
         return {}
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in SHOWN_SUFFIXES and p.is_file())
     return {p.name: p for p in files[:MAX_EXAMPLES]}
 
 
