@@ -25,9 +25,10 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
+    """Seed Python, NumPy and torch (all devices). NumPy takes seeds below 2**32 only, so it gets the
+    seed modulo 2**32 (a run's `train.seed + rank` may pass it)."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 

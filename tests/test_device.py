@@ -64,3 +64,18 @@ def test_an_explicit_precision_is_honoured_on_any_cpu():
     assert autocast_dtype("bf16", cpu) is torch.bfloat16
     with pytest.raises(CaptionerError, match="fp16 needs a CUDA device"):
         autocast_dtype("fp16", cpu)
+
+
+def test_seeding_takes_the_largest_seed_of_the_last_rank():
+    """`train.seed` may be 2**32 - 1, and each rank seeds with seed + rank: past what NumPy takes."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from captioner.device import seed_everything
+
+    seed_everything(2**32 - 1 + 1)  # the largest train.seed, on rank 1
+    drawn = random.random(), float(np.random.rand()), float(torch.rand(()))
+    seed_everything(2**32)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == drawn  # seeded, reproducibly
