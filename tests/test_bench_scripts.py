@@ -9,10 +9,11 @@ TINY = ["data.shapes_images=20", "model.encoder.name=random", "model.encoder.ima
 def test_bench_train_prints_every_row_on_a_tiny_set(capsys, tmp_path):
     bench = load_script("bench_train")
     assert bench.main(["--config", "shapes", "--data", "shapes", "--limit-images", "12",
-                       "--cache-dir", str(tmp_path), *TINY]) == 0
+                       "--cache-dir", str(tmp_path), *TINY, "model.encoder.two_scale=true"]) == 0
     out = capsys.readouterr().out
     for row in ("(a) cached, grouped by image", "(a) cached, plain caption order", "(a) grouped, similar lengths",
-                "(a) detector scoring all words", "(b) encoder on every caption", "speed-up (a)/(b)", "peak RSS"):
+                "(a) detector scoring all words", "(a) shared channels in every cell", "(b) encoder on every caption",
+                "speed-up (a)/(b)", "peak RSS"):
         assert row in out, row
 
 

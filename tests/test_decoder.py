@@ -191,3 +191,60 @@ def test_global_context_feeds_the_grids_mean_at_every_step():
     a, b = dec.step(tokens[:, 0], state, memory), dec.step(tokens[:, 0], state, moved)
     torch.testing.assert_close(a.alpha, b.alpha)
     assert not torch.allclose(a.hidden, b.hidden)
+
+
+# --- a two-scale grid's shared channels multiplied once per 2x2 block ---------------------------
+
+
+def _two_scale_grid(n: int, grid: tuple[int, int], own: int, shared: int) -> torch.Tensor:
+    """(n, H'·W', own + shared): each cell's own channels, then channels the four cells of its 2x2 block
+    share (what the two-scale encoder's nearest upsampling makes)."""
+    H, W = grid[0] // 2, grid[1] // 2
+    fine = torch.randn(n, 2 * H, 2 * W, own)
+    coarse = torch.randn(n, H, W, shared).repeat_interleave(2, dim=1).repeat_interleave(2, dim=2)
+    return torch.cat([fine, coarse], dim=-1).reshape(n, 4 * H * W, own + shared)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grid_linear_is_the_plain_linear_on_a_grid_of_shared_blocks(bias):
+    from captioner.model.regions import grid_linear
+    features = _two_scale_grid(3, (4, 6), own=5, shared=11)  # (3, 24, 16)
+    weight, b = torch.randn(7, 16), (torch.randn(7) if bias else None)
+    plain = torch.nn.functional.linear
+    torch.testing.assert_close(grid_linear(features, weight, b, (4, 6), 11), plain(features, weight, b))
+    # it reads a block's shared channels from its first cell alone: a grid whose blocks differ is not for it
+    features[:, 1, -1] += 1.0
+    assert not torch.allclose(grid_linear(features, weight, b, (4, 6), 11), plain(features, weight, b))
+
+
+def test_a_decoder_told_of_shared_blocks_trains_and_detects_as_one_that_is_not():
+    grid, own, shared = (4, 4), 6, 10
+    cfg = dataclasses.replace(CFG, attend="after", global_context=True, concepts=True)
+    torch.manual_seed(0)
+    plain = AttentionDecoder(V, own + shared, cfg, grid=grid)
+    blocked = AttentionDecoder(V, own + shared, cfg, grid=grid, block_dim=shared)
+    blocked.load_state_dict(plain.state_dict())
+    features, tokens, lengths = _batch()
+    features = _two_scale_grid(B, grid, own, shared)
+    outs = [dec(features, tokens, lengths, detect=torch.tensor([3, 5, 8])) for dec in (plain, blocked)]
+    for name in ("logits", "alphas", "concepts"):
+        torch.testing.assert_close(getattr(outs[1], name), getattr(outs[0], name))
+    for dec, out in zip((plain, blocked), outs):
+        (out.logits.logsumexp(-1).sum() + out.concepts.sum()).backward()
+    for (name, p), q in zip(plain.named_parameters(), blocked.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    torch.testing.assert_close(blocked.word_log_probs(features), plain.word_log_probs(features))
+    # a gradient by the grid (relevance maps) reaches each cell's own copy of the shared channels, as before
+    grads = []
+    for dec in (plain, blocked):
+        x = features.clone().requires_grad_(True)
+        dec.memory(x).features.sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_shared_blocks_need_an_even_grid():
+    with pytest.raises(ValueError, match="even grid"):
+        AttentionDecoder(V, D, CFG, grid=GRID, block_dim=4)
+    with pytest.raises(ValueError, match="block_dim"):
+        AttentionDecoder(V, D, CFG, grid=(4, 4), block_dim=D)

@@ -308,6 +308,7 @@ def test_two_scale_grid_is_twice_as_fine_and_ends_with_the_last_stage(name, size
     two.load_state_dict(one.state_dict())  # the same weights, the same keys: a checkpoint fits either
     (H, W), D = one.grid, one.out_dim
     assert two.grid == (2 * H, 2 * W) and two.out_dim > D
+    assert (one.block_dim, two.block_dim) == (0, D)  # the channels each 2x2 block of cells shares
     x = torch.randn(2, 3, size, size)
     coarse = one.infer(x).reshape(2, H, W, D)
     fine = two.infer(x).reshape(2, 2 * H, 2 * W, two.out_dim)

@@ -34,5 +34,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, pretrained: bool = True, enco
     """Build encoder and decoder; `pretrained=False` skips loading encoder weights (a checkpoint
     follows); `encoder` is one built already (from `cfg.encoder`)."""
     encoder = encoder or build_encoder(cfg.encoder, pretrained=pretrained)
-    decoder = AttentionDecoder(vocab_size, encoder.out_dim, cfg.decoder, grid=encoder.grid)
+    decoder = AttentionDecoder(vocab_size, encoder.out_dim, cfg.decoder, grid=encoder.grid,
+                               block_dim=encoder.block_dim)
     return CaptionModel(encoder, decoder)

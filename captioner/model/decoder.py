@@ -33,7 +33,9 @@ photo-level log-probability to its score (`word_log_probs`, `decode.detector_wei
 Before all of this, once per image, the regions are projected from the encoder's width to
 `feature_dim` (ReLU(Linear)) and given learned row + column embeddings. CNN features say *what*
 is in a region but hardly *where* it is; with the position term the query can ask for "the
-leftmost object", which captions that order objects in space need.
+leftmost object", which captions that order objects in space need. On a two-scale grid both
+per-region maps (the projection, the word detector) multiply the channels each 2x2 block of cells
+shares once per block (`RegionLinear`).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from captioner.config import DecoderConfig
 from captioner.model.attention import AttentionPool, BahdanauAttention
 from captioner.model.concepts import INITIAL_DETECTOR_BIAS, noisy_or
 from captioner.model.memory import Memory
+from captioner.model.regions import RegionLinear
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class AttentionDecoder(nn.Module):
     """Writes a caption word by word, attending over the regions at every step."""
 
     def __init__(self, vocab_size: int, feature_dim: int, cfg: DecoderConfig, grid: tuple[int, int] | None = None,
-                 pad_id: int = 0) -> None:
+                 pad_id: int = 0, block_dim: int = 0) -> None:
         """
         Args:
             vocab_size: V.
@@ -97,14 +100,17 @@ class AttentionDecoder(nn.Module):
             cfg: widths and options.
             grid: (H', W') of the encoder's grid; needed when cfg.position is on.
             pad_id: the <pad> token id.
+            block_dim: the trailing channels of the grid each 2x2 block of cells shares (the last stage's
+                on a two-scale grid: `Encoder.block_dim`); 0 = none.
         """
         super().__init__()
         if cfg.position and grid is None:
             raise ValueError("decoder.position needs the encoder's grid (H', W')")
         D = cfg.feature_dim or feature_dim
         E, H, A = cfg.embed_dim, cfg.hidden_dim, cfg.attention_dim
-        self.project = nn.Sequential(nn.Linear(feature_dim, D), nn.ReLU()) if cfg.feature_dim else None
         self.grid = tuple(grid) if grid is not None else None
+        regions = dict(grid=self.grid, block_dim=block_dim)
+        self.project = nn.Sequential(RegionLinear(feature_dim, D, **regions), nn.ReLU()) if cfg.feature_dim else None
         if cfg.position:
             self.row_embedding = nn.Parameter(torch.zeros(grid[0], D))  # (H', D)
             self.col_embedding = nn.Parameter(torch.zeros(grid[1], D))  # (W', D)
@@ -123,7 +129,7 @@ class AttentionDecoder(nn.Module):
         self.attend_after = cfg.attend == "after"
         self.global_context = cfg.global_context
         self.cell = nn.GRUCell(E + D + (D if cfg.global_context else 0), H)
-        self.concepts = nn.Linear(feature_dim, vocab_size) if cfg.concepts else None
+        self.concepts = RegionLinear(feature_dim, vocab_size, **regions) if cfg.concepts else None
         if self.concepts is not None:
             nn.init.constant_(self.concepts.bias, INITIAL_DETECTOR_BIAS)
             # (V,) the detector output standing for each word (`concepts.concept_slots`: grouped words share
@@ -274,4 +280,4 @@ class AttentionDecoder(nn.Module):
         if detect is True:
             return self.concepts(features), None  # (N, L, V)
         ids = detect.to(features.device)  # (K,)
-        return nn.functional.linear(features, self.concepts.weight[ids], self.concepts.bias[ids]), ids  # (N, L, K)
+        return self.concepts(features, ids), ids  # (N, L, K)

@@ -72,8 +72,12 @@ class Encoder(nn.Module):
         self._halves = _split(self.backbone, backbone.fine_stage) if two_scale else None
         self.two_scale = two_scale
         with torch.no_grad():  # measure D and the grid once, on a dummy image
-            fmap = self._fmap(torch.zeros(1, 3, image_size, image_size))  # (1, D, H', W')
+            dummy = torch.zeros(1, 3, image_size, image_size)
+            fmap = self._fmap(dummy)  # (1, D, H', W')
+            fine_dim = self._halves[0](dummy).shape[1] if two_scale else fmap.shape[1]
         self.out_dim: int = fmap.shape[1]
+        # the trailing channels that every 2x2 block of cells shares (two-scale: the last stage's D), 0 if none
+        self.block_dim: int = self.out_dim - fine_dim
         self.grid: tuple[int, int] = (fmap.shape[2], fmap.shape[3])
         origin, stride = (backbone.fine_geometry if two_scale else backbone.geometry)(image_size)
         self.cells = Cells(origin / image_size, stride / image_size)
