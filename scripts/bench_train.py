@@ -13,9 +13,7 @@ A third row, (a) in (b)'s plain caption order, shows what the grouping contribut
 with batches of similar caption lengths (`train.group_by_length`), what that saves (with the decoder
 steps a batch runs either way: its longest caption's scored tokens); with a word detector
 (`model.decoder.concepts`), a fifth, (a) with the detector scoring every word of the vocabulary at
-every step instead of the batch's words and `train.concept_negatives` others; on a two-scale grid
-(`model.encoder.two_scale`), a sixth, (a) with the channels each 2x2 block of cells shares multiplied in
-every cell instead of once per block (`captioner.model.regions`).
+every step instead of the batch's words and `train.concept_negatives` others.
 Printed: captions/s of each and the ratio (a)/(b), tokens/s, peak RSS, the achieved GFLOP/s of (a)
 (FLOPs counted with FlopCounterMode over its first batches: matmuls, convolutions) next to this
 machine's matmul peak. (Float32 against bf16 autocast: scripts/bench_amp.py, on whole training runs.)
@@ -46,7 +44,6 @@ from captioner.data.records import split_records
 from captioner.data.sources import load_records
 from captioner.data.vocab import build_vocabulary
 from captioner.model import build_model
-from captioner.model.regions import RegionLinear
 from captioner.device import autocast_dtype
 from captioner.training.loop import train_one_epoch
 from captioner.training.loss import Criterion, build_criterion
@@ -156,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         image_set = CaptionDataset(train_records, vocab, cfg.data.max_length,
                                    transform=model.encoder.transform(train=False))
 
-        def epoch(loader_, tc_: TrainConfig = cfg.train, cached: bool = True, model_=model) -> Meter:
-            return one_epoch(model_, loader_, tc_, vocab, cached, amp_dtype, enc.name)
+        def epoch(loader_, tc_: TrainConfig = cfg.train, cached: bool = True) -> Meter:
+            return one_epoch(model, loader_, tc_, vocab, cached, amp_dtype, enc.name)
 
         tc = cfg.train
         a = epoch(loader(cached_set, tc.group_by_image))
@@ -168,13 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         a_all = None
         if cfg.model.decoder.concepts:
             a_all = epoch(loader(cached_set, tc.group_by_image), dataclasses.replace(tc, concept_negatives=-1))
-        a_cells = None
-        if model.encoder.block_dim:
-            per_cell = copy.deepcopy(model)
-            for module in per_cell.decoder.modules():  # the same weights, every cell multiplied in full
-                if isinstance(module, RegionLinear):
-                    module.block_dim = 0
-            a_cells = epoch(loader(cached_set, tc.group_by_image), model_=per_cell)
         b = epoch(loader(image_set, False), cached=False)
         flops = flops_per_caption(model, loader(cached_set, tc.group_by_image),
                                   build_criterion(tc, vocab, enc.name)) * a.captions
@@ -187,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("(a) cached, grouped by image", a), ("(a) cached, plain caption order", a_plain),
             ("(a) grouped, similar lengths", a_length),
             *([("(a) detector scoring all words", a_all)] if a_all is not None else []),
-            *([("(a) shared channels in every cell", a_cells)] if a_cells is not None else []),
             ("(b) encoder on every caption", b)]
     print(f"{'way':34s} {'captions':>8s} {'seconds':>8s} {'captions/s':>11s} {'tokens/s':>9s}")
     for name, m in rows:
@@ -197,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
           + f"; similar lengths: {a_length.captions / a_length.seconds / rate_a:.2f}x, decoder steps per batch "
             f"{steps[False]:.1f} -> {steps[True]:.1f}"
           + (f"; the detector on the batch's words + {tc.concept_negatives} others instead of all "
-             f"{len(vocab)}: {rate_a / (a_all.captions / a_all.seconds):.2f}x" if a_all is not None else "")
-          + (f"; a 2x2 block's shared channels multiplied once, not in each cell: "
-             f"{rate_a / (a_cells.captions / a_cells.seconds):.2f}x" if a_cells is not None else "") + ")")
+             f"{len(vocab)}: {rate_a / (a_all.captions / a_all.seconds):.2f}x" if a_all is not None else "") + ")")
     print(f"(a) achieved: {achieved:.1f} GFLOP/s ({flops / a.captions / 1e6:.0f} MFLOP per caption, fwd+bwd, "
           f"matmuls only) vs fp32 matmul peak {peak:.1f} GFLOP/s ({100 * achieved / peak:.0f}%)"
           + (f", bf16 matmul peak {peak_bf16:.1f} GFLOP/s ({100 * achieved / peak_bf16:.0f}%)" if peak_bf16 else ""))
