@@ -100,15 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         copied = copy.deepcopy(model)  # each way its own weights and optimiser state, all from the same start
         decoder = copied.decoder.train()
         objective = CrossEntropy(decoder, cfg.train, criterion, torch.device("cpu"), amp_dtype)
-        runs[name] = (objective, build_optimizer(copied, cfg.train), lambda undo=undo, d=decoder: undo(d))
+        runs[name] = (objective, build_optimizer(copied, cfg.train), undo, decoder)
     seconds = {name: [0.0] * args.repeats for name in runs}
     names = list(runs)
     for repeat, (i, batch) in itertools.product(range(args.repeats), enumerate(batches)):
         for k in range(len(names)):  # the ways take turns on each batch, each first in turn
             name = names[(i + k) % len(names)]
-            objective, optimizer, undone = runs[name]
+            objective, optimizer, undo, decoder = runs[name]
             tick = time.perf_counter()
-            with undone():
+            with undo(decoder):
                 optimizer.zero_grad(set_to_none=True)
                 objective.loss(batch).loss.total.backward()
                 optimizer.step()

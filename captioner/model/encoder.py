@@ -73,11 +73,16 @@ class Encoder(nn.Module):
         self.two_scale = two_scale
         with torch.no_grad():  # measure D and the grid once, on a dummy image
             dummy = torch.zeros(1, 3, image_size, image_size)
-            fmap = self._fmap(dummy)  # (1, D, H', W')
-            fine_dim = self._halves[0](dummy).shape[1] if two_scale else fmap.shape[1]
+            if two_scale:
+                lower, upper = self._halves
+                fine = lower(dummy)  # (1, d, 2H, 2W)
+                coarse = upper(fine)  # (1, D, H, W)
+                fmap = _stack_scales(fine, coarse)  # (1, d + D, 2H, 2W)
+            else:
+                fmap = self.backbone(dummy)  # (1, D, H', W')
         self.out_dim: int = fmap.shape[1]
         # the trailing channels that every 2x2 block of cells shares (two-scale: the last stage's D), 0 if none
-        self.block_dim: int = self.out_dim - fine_dim
+        self.block_dim: int = coarse.shape[1] if two_scale else 0
         self.grid: tuple[int, int] = (fmap.shape[2], fmap.shape[3])
         origin, stride = (backbone.fine_geometry if two_scale else backbone.geometry)(image_size)
         self.cells = Cells(origin / image_size, stride / image_size)
@@ -116,11 +121,7 @@ class Encoder(nn.Module):
             return self.backbone(images)  # (B, D, H', W')
         lower, upper = self._halves
         fine = lower(images)  # (B, d, 2H, 2W)
-        coarse = upper(fine)  # (B, D, H, W)
-        B, D, H, W = coarse.shape
-        # nearest upsampling as an expand: exports to ONNX ops whose shapes its tools infer (a Resize's they do not)
-        coarse = coarse[:, :, :, None, :, None].expand(B, D, H, 2, W, 2).reshape(B, D, 2 * H, 2 * W)
-        return torch.cat([fine, coarse], dim=1)  # (B, d + D, 2H, 2W)
+        return _stack_scales(fine, upper(fine))  # (B, d + D, 2H, 2W)
 
     @torch.inference_mode()
     def infer(self, images: Tensor) -> Tensor:
@@ -176,6 +177,15 @@ def build_encoder(cfg: EncoderConfig, pretrained: bool = True) -> Encoder:
         An `Encoder` on the CPU, frozen parts in eval mode.
     """
     return Encoder(cfg.name, cfg.image_size, build_backbone(cfg, pretrained), cfg.trainable_stages, cfg.two_scale)
+
+
+def _stack_scales(fine: Tensor, coarse: Tensor) -> Tensor:
+    """(B, d, 2H, 2W) finer stage, (B, D, H, W) last stage -> (B, d + D, 2H, 2W): each fine cell's own
+    channels, then those of the last-stage cell it lies in (nearest upsampling)."""
+    B, D, H, W = coarse.shape
+    # nearest upsampling as an expand: exports to ONNX ops whose shapes its tools infer (a Resize's they do not)
+    coarse = coarse[:, :, :, None, :, None].expand(B, D, H, 2, W, 2).reshape(B, D, 2 * H, 2 * W)
+    return torch.cat([fine, coarse], dim=1)  # (B, d + D, 2H, 2W)
 
 
 def _split(net: nn.Sequential, after: str) -> tuple[nn.Sequential, nn.Sequential]:
